@@ -1,0 +1,1 @@
+"""Reading released checkpoints and storing converted params."""

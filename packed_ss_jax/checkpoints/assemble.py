@@ -1,0 +1,114 @@
+"""Checkpoint name table -> params tree, with a completeness check first.
+
+A table maps each param path to a checkpoint tensor name (with `{i}` for per-layer
+tensors, stacked on a leading layer axis) and says whether the tensor is stored
+PyTorch-style `[out, in]` and so needs a transpose. The expected shapes come from
+`model.abstract_params`, so they are written down in one place. All problems are
+collected and reported together before any tensor is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from typing import Callable, Iterable, Protocol
+
+import numpy as np
+
+from .errors import CheckpointError
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    path: tuple[str, ...]     # param path, e.g. ("layers", "attn", "q_proj")
+    name: str                 # checkpoint name, "{i}" for the layer index
+    transpose: bool = False   # stored [out, in]; params are [in, out]
+    layer: bool = False       # one tensor per layer, stacked on axis 0
+
+
+class Source(Protocol):
+    def names(self) -> list[str]: ...
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def get(self, name: str) -> np.ndarray: ...
+
+
+def _get_path(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _set_path(tree, path, value):
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
+
+
+def _expand(entry: Entry, num_layers: int) -> list[str]:
+    return [entry.name.format(i=i) for i in range(num_layers)] if entry.layer else [entry.name]
+
+
+class Progress:
+    """A plain stderr progress line; silent when disabled."""
+
+    def __init__(self, total: int, label: str, enabled: bool):
+        self.total, self.label, self.enabled = total, label, enabled
+        self.done, self.start = 0, time.monotonic()
+
+    def step(self, n: int = 1):
+        self.done += n
+        if self.enabled:
+            pct = 100.0 * self.done / max(self.total, 1)
+            sys.stderr.write(f"\r{self.label}: {self.done}/{self.total} tensors ({pct:5.1f}%) "
+                             f"{time.monotonic() - self.start:6.1f}s")
+            if self.done >= self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def assemble(table: Iterable[Entry], abstract, num_layers: int, source: Source, dtype,
+             ignore: Callable[[str], bool] = lambda name: False, label: str = "converting",
+             progress: bool = False, allow_unexpected: Iterable[str] = ()) -> dict:
+    """Builds the params tree, or raises CheckpointError listing every problem."""
+    table = list(table)
+    available = set(source.names())
+    missing, misshaped, plan = [], [], []
+    used = set()
+    for e in table:
+        want = tuple(_get_path(abstract, e.path).shape)
+        per = want[1:] if e.layer else want
+        stored = tuple(reversed(per)) if e.transpose else per
+        for name in _expand(e, num_layers):
+            if name not in available:
+                missing.append(f"{name} {list(stored)}")
+                continue
+            used.add(name)
+            got = source.shape(name)
+            if tuple(got) != stored:
+                misshaped.append(f"{name}: expected {list(stored)}, found {list(got)}")
+        plan.append((e, want))
+    unexpected = sorted(n for n in available - used - set(allow_unexpected) if not ignore(n))
+    if missing or misshaped or unexpected:
+        lines = ["checkpoint does not match its config:"]
+        if missing:
+            lines.append(f"  missing ({len(missing)}): " + ", ".join(missing))
+        if misshaped:
+            lines.append(f"  misshaped ({len(misshaped)}): " + "; ".join(misshaped))
+        if unexpected:
+            lines.append(f"  unexpected ({len(unexpected)}): " + ", ".join(unexpected))
+        raise CheckpointError("\n".join(lines))
+
+    total = sum(num_layers if e.layer else 1 for e, _ in plan)
+    bar = Progress(total, label, progress)
+    params: dict = {}
+    for e, want in plan:
+        arrays = []
+        for name in _expand(e, num_layers):
+            a = np.asarray(source.get(name))
+            arrays.append((a.T if e.transpose else a).astype(dtype))
+            bar.step()
+        value = np.stack(arrays) if e.layer else arrays[0]
+        assert value.shape == want, (e.path, value.shape, want)
+        _set_path(params, e.path, value)
+    return params

@@ -1,0 +1,87 @@
+"""Nemotron-Labs-Diffusion Hugging Face checkpoints -> params.
+
+Layout: `config.json`, `model.safetensors` or shards with `model.safetensors.index.json`,
+names under `encoder.` with an untied `diffusion_head`, and an optional PEFT adapter in
+`linear_spec_lora/` (o_proj only) that the drafter uses and the verifier never does.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .. import model as model_lib
+from ..config import ModelConfig
+from .assemble import Entry, assemble
+from .errors import CheckpointError
+from .safetensors_io import SafetensorsDir
+
+LORA_DIR = "linear_spec_lora"
+LORA_PREFIX = "base_model.model.encoder.layers.{i}.self_attn.o_proj"
+
+_LAYER = [
+    (("input_norm", "scale"), "input_layernorm.weight", False),
+    (("attn", "q_proj"), "self_attn.q_proj.weight", True),
+    (("attn", "k_proj"), "self_attn.k_proj.weight", True),
+    (("attn", "v_proj"), "self_attn.v_proj.weight", True),
+    (("attn", "o_proj"), "self_attn.o_proj.weight", True),
+    (("post_attn_norm", "scale"), "post_attention_layernorm.weight", False),
+    (("mlp", "gate_proj"), "mlp.gate_proj.weight", True),
+    (("mlp", "up_proj"), "mlp.up_proj.weight", True),
+    (("mlp", "down_proj"), "mlp.down_proj.weight", True),
+]
+
+
+def table(c: ModelConfig) -> list[Entry]:
+    entries = [Entry(("embed",), "encoder.embed_tokens.weight")]
+    entries += [Entry(("layers",) + path, f"encoder.layers.{{i}}.{name}", t, layer=True)
+                for path, name, t in _LAYER]
+    entries.append(Entry(("final_norm", "scale"), "encoder.norm.weight"))
+    if not c.tie_embeddings:
+        entries.append(Entry(("head",), "diffusion_head.weight", transpose=True))
+    return entries
+
+
+def _ignored(name: str) -> bool:
+    return name.endswith("rotary_emb.inv_freq")  # a recomputed buffer some exports keep
+
+
+def lora_config(path: Path) -> tuple[int, float] | None:
+    """(rank, alpha) of a `linear_spec_lora/` adapter, or None when there is none."""
+    cfg_file = path / LORA_DIR / "adapter_config.json"
+    if not cfg_file.exists():
+        return None
+    cfg = json.loads(cfg_file.read_text())
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise CheckpointError(f"{cfg_file}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    targets = cfg.get("target_modules") or []
+    if list(targets) != ["o_proj"]:
+        raise CheckpointError(f"{cfg_file}: target_modules {targets} unsupported; expected ['o_proj']")
+    if cfg.get("use_dora") or cfg.get("use_rslora"):
+        raise CheckpointError(f"{cfg_file}: DoRA / rsLoRA adapters are not supported")
+    return int(cfg["r"]), float(cfg["lora_alpha"])
+
+
+def _lora_table() -> list[Entry]:
+    return [Entry(("layers", "attn", "lora_a"), LORA_PREFIX + ".lora_A.weight", True, layer=True),
+            Entry(("layers", "attn", "lora_b"), LORA_PREFIX + ".lora_B.weight", True, layer=True)]
+
+
+def _np_dtype(c: ModelConfig):
+    import ml_dtypes
+    return ml_dtypes.bfloat16 if c.dtype == "bfloat16" else np.float32
+
+
+def read(path: str | Path, c: ModelConfig, progress: bool = False) -> dict:
+    """Reads the base weights (and the adapter when `c.lora_rank`) into a params tree."""
+    path = Path(path)
+    abstract = model_lib.abstract_params(c)
+    params = assemble(table(c), abstract, c.num_layers, SafetensorsDir(path), _np_dtype(c),
+                      ignore=_ignored, label="weights", progress=progress)
+    if c.lora_rank:
+        lora = assemble(_lora_table(), abstract, c.num_layers, SafetensorsDir(path / LORA_DIR, "adapter_model.safetensors"),
+                        _np_dtype(c), label="adapter", progress=progress)
+        params["layers"]["attn"].update(lora["layers"]["attn"])
+    return params

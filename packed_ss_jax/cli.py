@@ -1,0 +1,109 @@
+"""Command-line entry points."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def convert_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="packed-ss-convert",
+        description="Convert a Hugging Face Nemotron-Labs-Diffusion checkpoint directory "
+                    "(config.json + safetensors, optional linear_spec_lora/) to orbax params.")
+    p.add_argument("src", help="Hugging Face checkpoint directory")
+    p.add_argument("dst", help="output directory (must not exist unless --overwrite)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="stored param dtype (default bfloat16; float32 for CPU parity work)")
+    lora = p.add_mutually_exclusive_group()
+    lora.add_argument("--lora", dest="lora", action="store_true", default=None,
+                      help="require and include the draft-only linear_spec_lora adapter")
+    lora.add_argument("--no-lora", dest="lora", action="store_false",
+                      help="leave the adapter out even when present")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    args = p.parse_args(argv)
+
+    from .checkpoints.errors import CheckpointError
+    from .config import ConfigError
+    from .conversion import convert
+
+    try:
+        convert(args.src, args.dst, dtype=args.dtype, lora=args.lora, overwrite=args.overwrite,
+                progress=not args.quiet)
+    except (CheckpointError, ConfigError, FileNotFoundError, FileExistsError) as e:
+        print(f"packed-ss-convert: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _prompt_arg(args, model):
+    if args.ids is not None:
+        try:
+            return [int(t) for t in args.ids.replace(",", " ").split()]
+        except ValueError:
+            raise SystemExit(f"packed-ss: error: --ids must be integers, got {args.ids!r}")
+    return args.prompt
+
+
+def _table(results) -> str:
+    head = "| schedule | B | tokens | NFE | tokens/NFE | wall (ms) | time/NFE (ms) | tokens/s |"
+    rows = [head, "|" + "---|" * 8]
+    for r in results:
+        rows.append(f"| {r.schedule} | {r.block_size if r.schedule != 'ar' else '-'} | "
+                     f"{len(r.tokens)} | {r.nfe} | {r.tokens_per_nfe:.2f} | {1e3 * r.wall_s:.1f} | "
+                     f"{r.time_per_nfe_ms:.2f} | {r.tokens_per_s:.1f} |")
+    return "\n".join(rows)
+
+
+def generate_main(argv: list[str] | None = None) -> int:
+    from . import api, loading
+    from .checkpoints.errors import CheckpointError
+    from .config import ConfigError
+    from .schedules import SCHEDULES
+
+    p = argparse.ArgumentParser(prog="packed-ss generate",
+                                description="Greedy decoding with one or all schedules.")
+    p.add_argument("prompt", nargs="?", default=None, help="prompt text (needs a tokenizer)")
+    p.add_argument("--ids", help="prompt as token ids, e.g. '1,17,42' (instead of text)")
+    p.add_argument("--model", required=True, help="Hugging Face or converted checkpoint directory")
+    p.add_argument("--schedule", default="packed", choices=sorted(SCHEDULES) + ["all"])
+    p.add_argument("--block-size", type=int, default=None, help="B (default: the config's)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--no-eos", action="store_true", help="ignore EOS (stop at the length limit)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    args = p.parse_args(argv)
+    if args.prompt is None and args.ids is None:
+        p.error("give a prompt (text) or --ids")
+    if args.prompt is not None and not args.prompt.strip():
+        p.error("the prompt is empty")
+    try:
+        model = loading.load(args.model, dtype=args.dtype)
+        prompt = _prompt_arg(args, model)
+        schedules = ["ar", "linear", "quadratic", "packed"] if args.schedule == "all" else [args.schedule]
+        results = [api.decode(model, prompt, schedule=s, block_size=args.block_size,
+                              max_new_tokens=args.max_new_tokens,
+                              eos_id=None if args.no_eos else -1) for s in schedules]
+    except (CheckpointError, ConfigError, FileNotFoundError, NotADirectoryError, ValueError,
+            TypeError) as e:
+        print(f"packed-ss: error: {e}", file=sys.stderr)
+        return 2
+    first = results[0]
+    print(first.text if first.text is not None else " ".join(map(str, first.tokens)))
+    if any(r.tokens != first.tokens for r in results):
+        print("warning: schedules disagree (numerical near-tie?)", file=sys.stderr)
+    print()
+    print(_table(results))
+    print(f"\n(compile time excluded from wall: {sum(r.compile_s for r in results):.1f}s)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"generate": generate_main, "convert": convert_main}
+    if not argv or argv[0] not in commands:
+        print("usage: packed-ss {generate,convert} ...\n\n"
+              "  generate   decode a prompt with AR / Linear-SS / Quadratic-SS / Packed-SS\n"
+              "  convert    convert a Hugging Face checkpoint to orbax params", file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return commands[argv[0]](argv[1:])

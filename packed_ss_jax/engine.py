@@ -1,0 +1,99 @@
+"""The decode driver: first call, then `lax.while_loop` over one schedule step.
+
+One program per (model config, schedule, B, prompt bucket, cache size) is lowered
+and compiled ahead of time and kept; the prompt length, `max_new_tokens` and the
+EOS id are traced arguments, so they never recompile. Nothing returns to the host
+until the loop has stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Hashable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .schedules import SCHEDULES
+
+MIN_BUCKET = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    schedule: str
+    block_size: int
+    bucket: int
+    capacity: int
+
+
+@dataclasses.dataclass
+class RawResult:
+    tokens: np.ndarray
+    nfe: int
+    iterations: int
+    accept_hist: np.ndarray
+    wall_s: float
+    compile_s: float
+
+
+_compiled: dict[tuple[Hashable, Program], Callable] = {}
+
+
+def bucket_for(n: int, capacity: int) -> int:
+    """Prompt length rounded up to a power of two (at least MIN_BUCKET, at most capacity)."""
+    b = MIN_BUCKET
+    while b < n:
+        b *= 2
+    return min(b, capacity)
+
+
+def build(m, p: Program) -> Callable:
+    """The pure decode function of one program (not yet jitted)."""
+    init, step = SCHEDULES[p.schedule]
+    B = p.block_size
+
+    def run(params, prompt, n, max_new, eos_id):
+        s = init(m, params, prompt, n, B=B, capacity=p.capacity, max_new=max_new, eos_id=eos_id)
+        s = jax.lax.while_loop(lambda s: ~s.done, lambda s: step(m, params, s, B=B), s)
+        return s.out, s.n_out, s.nfe, s.iterations, s.hist
+
+    return run
+
+
+def _args(prompt_ids: np.ndarray, bucket: int, max_new: int, eos_id: int | None):
+    padded = np.zeros(bucket, np.int32)
+    padded[: len(prompt_ids)] = prompt_ids
+    return (jnp.asarray(padded), jnp.int32(len(prompt_ids)), jnp.int32(max_new),
+            jnp.int32(-1 if eos_id is None else eos_id))
+
+
+def compiled(m, params, p: Program) -> tuple[Callable, float]:
+    """The compiled program and the seconds spent compiling it now (0.0 when cached)."""
+    key = (m.key, p)
+    if key in _compiled:
+        return _compiled[key], 0.0
+    t0 = time.perf_counter()
+    args = _args(np.zeros(1, np.int32), p.bucket, 1, None)
+    exe = jax.jit(build(m, p)).lower(params, *args).compile()
+    _compiled[key] = exe
+    return exe, time.perf_counter() - t0
+
+
+def clear_cache() -> None:
+    _compiled.clear()
+
+
+def run(m, params, prompt_ids: np.ndarray, *, schedule: str, block_size: int, max_new: int,
+        eos_id: int | None, capacity: int) -> RawResult:
+    p = Program(schedule, block_size, bucket_for(len(prompt_ids), capacity), capacity)
+    exe, compile_s = compiled(m, params, p)
+    args = _args(prompt_ids, p.bucket, max_new, eos_id)
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(exe(params, *args))
+    wall = time.perf_counter() - t0
+    tokens, n_out, nfe, iterations, hist = jax.device_get(out)
+    return RawResult(tokens=np.asarray(tokens[:n_out]), nfe=int(nfe), iterations=int(iterations),
+                     accept_hist=np.asarray(hist), wall_s=wall, compile_s=compile_s)

@@ -1,0 +1,118 @@
+"""Row buffers and attention masks of every call a schedule makes (SPEC, App. D.1, E.2).
+
+A layout is the tokens, positions, mask (row attends to row, among the new rows;
+every row also sees the committed cache) and which rows are drafting rows (the
+draft-only LoRA switch). Masks of regular calls are static NumPy constants: only
+the tokens and the base position change from call to call.
+
+Notation: `x` is the last verified token, at position `c` = cache length, not yet
+cached; `draft` holds `B - 1` slots, MASK-padded.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+
+
+class Call(NamedTuple):
+    tokens: jnp.ndarray      # [T] int32
+    positions: jnp.ndarray   # [T] int32
+    mask: jnp.ndarray        # [T, T] bool, row attends to column
+    draft_rows: jnp.ndarray  # [T] bool
+
+
+def causal(n: int) -> np.ndarray:
+    return np.tril(np.ones((n, n), bool))
+
+
+@functools.lru_cache(maxsize=None)
+def packed_mask(B: int) -> np.ndarray:
+    """[[T_B, 0], [0, J_B]]: causal verify half, bidirectional draft half, no crossing."""
+    m = np.zeros((2 * B, 2 * B), bool)
+    m[:B, :B] = causal(B)
+    m[B:, B:] = True
+    return m
+
+
+@functools.lru_cache(maxsize=None)
+def quadratic_mask(B: int) -> np.ndarray:
+    """B groups `[d_i, MASK^B]`: d rows form a causal chain; group i's masks see d_0..d_i
+    and their whole group."""
+    G = B + 1
+    m = np.zeros((B * G, B * G), bool)
+    heads = np.arange(B) * G
+    for i in range(B):
+        m[heads[i], heads[: i + 1]] = True          # d_i verifies: sees d_0..d_i
+        rows = heads[i] + np.arange(1, G)
+        m[np.ix_(rows, heads[:i])] = True           # masks see the earlier chain
+        m[np.ix_(rows, heads[i] + np.arange(G))] = True  # and their own group
+    return m
+
+
+def _i32(a):
+    return jnp.asarray(a, jnp.int32)
+
+
+def single(x, c) -> Call:
+    """AR: one causal row `[x]` at position c."""
+    return Call(_i32(x)[None], _i32(c)[None], jnp.ones((1, 1), bool), jnp.zeros(1, bool))
+
+
+def verify(x, draft, c) -> Call:
+    """Linear-SS verify: `[x, d_1..d_{B-1}]`, causal, verifier rows."""
+    B = draft.shape[0] + 1
+    return Call(jnp.concatenate([_i32(x)[None], draft]), c + _i32(np.arange(B)),
+                jnp.asarray(causal(B)), jnp.zeros(B, bool))
+
+
+def draft_block(x, c, B: int, mask_id: int) -> Call:
+    """Linear-SS draft: `[x, MASK^(B-1)]`, bidirectional, drafting rows."""
+    tokens = jnp.concatenate([_i32(x)[None], jnp.full(B - 1, mask_id, jnp.int32)])
+    return Call(tokens, c + _i32(np.arange(B)), jnp.ones((B, B), bool), jnp.ones(B, bool))
+
+
+def packed(x, draft, c, mask_id: int) -> Call:
+    """Packed-SS: `[x, D̄ | x, MASK^(B-1)]`, both halves at positions c..c+B-1."""
+    B = draft.shape[0] + 1
+    x = _i32(x)[None]
+    tokens = jnp.concatenate([x, draft, x, jnp.full(B - 1, mask_id, jnp.int32)])
+    pos = np.arange(B)
+    return Call(tokens, c + _i32(np.concatenate([pos, pos])), jnp.asarray(packed_mask(B)),
+                jnp.asarray(np.arange(2 * B) >= B))
+
+
+def quadratic(x, draft, c, mask_id: int) -> Call:
+    """Quadratic-SS: group i = `[d_i, MASK^B]` at positions c+i .. c+i+B (d_0 = x)."""
+    B = draft.shape[0] + 1
+    G = B + 1
+    d = jnp.concatenate([_i32(x)[None], draft])
+    tokens = jnp.full((B, G), mask_id, jnp.int32).at[:, 0].set(d).reshape(-1)
+    pos = (np.arange(B)[:, None] + np.arange(G)[None, :]).reshape(-1)
+    draft_rows = (np.arange(B * G) % G) != 0
+    return Call(tokens, c + _i32(pos), jnp.asarray(quadratic_mask(B)), jnp.asarray(draft_rows))
+
+
+def prefill(prompt) -> Call:
+    """Causal pass over the (padded) prompt at positions 0..len-1."""
+    P = prompt.shape[0]
+    return Call(_i32(prompt), _i32(np.arange(P)), jnp.asarray(causal(P)), jnp.zeros(P, bool))
+
+
+def first_call(prompt, n, B: int, mask_id: int) -> Call:
+    """Packed/Quadratic first call (App. E.2): `[prompt (causal) | MASK^B]`.
+
+    The prompt is padded to its bucket; its real length `n` is traced, so the mask
+    rows see columns `< n` only (padding rows are never seen by anyone). The masks
+    sit at positions n..n+B-1 and see each other.
+    """
+    P = prompt.shape[0]
+    tokens = jnp.concatenate([_i32(prompt), jnp.full(B, mask_id, jnp.int32)])
+    positions = jnp.concatenate([_i32(np.arange(P)), n + _i32(np.arange(B))])
+    top = jnp.concatenate([jnp.asarray(causal(P)), jnp.zeros((P, B), bool)], axis=1)
+    sees_prompt = jnp.broadcast_to(jnp.arange(P)[None, :] < n, (B, P))
+    bottom = jnp.concatenate([sees_prompt, jnp.ones((B, B), bool)], axis=1)
+    return Call(tokens, positions, jnp.concatenate([top, bottom]), jnp.asarray(np.arange(P + B) >= P))

@@ -1,0 +1,190 @@
+"""The shared-weight transformer: one forward for verifier and drafter rows.
+
+The verifier (causal/AR mode) and the drafter (masked-diffusion mode) differ
+only in the attention mask, so the forward takes the mask as data:
+
+    forward(params, tokens[T], positions[T], mask[T, T], cache, cache_len, draft_rows[T])
+        -> logits[T, V] float32, kv rows {"k", "v": [layers, T, kv_heads, head_dim]}
+
+Every row sees the first `cache_len` cache slots; among the new rows, `mask`
+(row attends to column) decides. New rows' keys/values are returned, never
+written: the decoder commits the accepted ones (see `cache.py`). RoPE is applied
+before caching, so a cache slot keeps its own position whatever its slot index.
+
+Layers are stacked and run with `nn.scan`, so compile time does not grow with depth.
+The Nemotron (Ministral-3) and SetDLM (Qwen3: per-head q/k RMSNorm, tied head)
+backbones are the same module with different config switches.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from . import rope
+from .config import ModelConfig
+
+Params = Any
+KV = dict[str, jnp.ndarray]
+
+_NEG = float(jnp.finfo(jnp.float32).min)  # what the reference adds for masked entries
+
+
+def param_dtype(c: ModelConfig):
+    return jnp.bfloat16 if c.dtype == "bfloat16" else jnp.float32
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return w * y.astype(x.dtype)  # weight used as stored (not 1 + w)
+
+
+def _dense_init(std: float = 0.02):
+    return nn.initializers.normal(stddev=std)
+
+
+class Attention(nn.Module):
+    c: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, cache_kv: KV, cos, sin, q_scale, mask, draft_rows):
+        c, dt = self.c, param_dtype(self.c)
+        T = x.shape[0]
+        wq = self.param("q_proj", _dense_init(), (c.hidden_size, c.num_heads * c.head_dim), dt)
+        wk = self.param("k_proj", _dense_init(), (c.hidden_size, c.num_kv_heads * c.head_dim), dt)
+        wv = self.param("v_proj", _dense_init(), (c.hidden_size, c.num_kv_heads * c.head_dim), dt)
+        wo = self.param("o_proj", _dense_init(), (c.num_heads * c.head_dim, c.hidden_size), dt)
+        q = (x @ wq).reshape(T, c.num_heads, c.head_dim)
+        k = (x @ wk).reshape(T, c.num_kv_heads, c.head_dim)
+        v = (x @ wv).reshape(T, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:  # Qwen3: per-head RMSNorm over head_dim, before RoPE
+            q = RMSNorm(c.rms_norm_eps, dt, name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, dt, name="k_norm")(k)
+        q = rope.apply(q, cos, sin)
+        k = rope.apply(k, cos, sin)
+        q = (q.astype(jnp.float32) * q_scale[:, None, None]).astype(q.dtype)  # Llama-4 scale, after RoPE
+
+        keys = jnp.concatenate([cache_kv["k"], k], axis=0)  # [S + T, kv_heads, head_dim]
+        values = jnp.concatenate([cache_kv["v"], v], axis=0)
+        qg = q.reshape(T, c.num_kv_heads, c.num_groups, c.head_dim)  # query head h -> kv head h // G
+        scores = jnp.einsum("tkgd,skd->tkgs", qg, keys, preferred_element_type=jnp.float32)
+        scores = scores * (1.0 / jnp.sqrt(jnp.float32(c.head_dim)))
+        scores = jnp.where(mask[:, None, None, :], scores, _NEG)
+        probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+        out = jnp.einsum("tkgs,skd->tkgd", probs, values).reshape(T, c.num_heads * c.head_dim)
+
+        y = out @ wo
+        if c.lora_rank:
+            # Draft-only adapter (paper App. F.2): a per-row switch, so verifier rows
+            # in the same packed call stay the base model.
+            a = self.param("lora_a", _dense_init(), (c.num_heads * c.head_dim, c.lora_rank), dt)
+            b = self.param("lora_b", nn.initializers.zeros, (c.lora_rank, c.hidden_size), dt)
+            delta = ((out @ a) @ b) * jnp.asarray(c.lora_scale, y.dtype)
+            y = jnp.where(draft_rows[:, None], y + delta, y)
+        return y, {"k": k, "v": v}
+
+
+class MLP(nn.Module):
+    c: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c, dt = self.c, param_dtype(self.c)
+        gate = self.param("gate_proj", _dense_init(), (c.hidden_size, c.intermediate_size), dt)
+        up = self.param("up_proj", _dense_init(), (c.hidden_size, c.intermediate_size), dt)
+        down = self.param("down_proj", _dense_init(), (c.intermediate_size, c.hidden_size), dt)
+        return (jax.nn.silu(x @ gate) * (x @ up)) @ down
+
+
+class DecoderLayer(nn.Module):
+    c: ModelConfig
+
+    @nn.compact
+    def __call__(self, h, cache_kv, cos, sin, q_scale, mask, draft_rows):
+        c, dt = self.c, param_dtype(self.c)
+        a, kv = Attention(c, name="attn")(
+            RMSNorm(c.rms_norm_eps, dt, name="input_norm")(h), cache_kv, cos, sin, q_scale, mask,
+            draft_rows)
+        h = h + a
+        h = h + MLP(c, name="mlp")(RMSNorm(c.rms_norm_eps, dt, name="post_attn_norm")(h))
+        return h, kv
+
+
+class Transformer(nn.Module):
+    c: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens, positions, mask, cache: KV, cache_len, draft_rows, out_rows=None):
+        c, dt = self.c, param_dtype(self.c)
+        embed = self.param("embed", _dense_init(), (c.vocab_size, c.hidden_size), dt)
+        h = embed[tokens]
+        cos, sin = rope.cos_sin(c, positions)
+        q_scale = rope.query_scale(c, positions)
+        S = cache["k"].shape[1]
+        seen_cache = jnp.broadcast_to(jnp.arange(S)[None, :] < cache_len, (tokens.shape[0], S))
+        full_mask = jnp.concatenate([seen_cache, mask], axis=1)  # [T, S + T]
+        layers = nn.scan(
+            DecoderLayer,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+            length=c.num_layers,
+        )(c, name="layers")
+        h, kv = layers(h, cache, cos, sin, q_scale, full_mask, draft_rows)
+        if out_rows is not None:  # the head is the largest matmul: run it only where read
+            h = h[out_rows]
+        h = RMSNorm(c.rms_norm_eps, dt, name="final_norm")(h)
+        if c.tie_embeddings:
+            head = embed.T
+        else:
+            head = self.param("head", _dense_init(), (c.hidden_size, c.vocab_size), dt)
+        logits = jnp.dot(h, head, preferred_element_type=jnp.float32)
+        return logits, kv
+
+
+def empty_cache(c: ModelConfig, size: int) -> KV:
+    """A cache of `size` slots; its slot axis is axis 1 (see cache.py)."""
+    shape = (c.num_layers, size, c.num_kv_heads, c.head_dim)
+    return {"k": jnp.zeros(shape, param_dtype(c)), "v": jnp.zeros(shape, param_dtype(c))}
+
+
+def forward(c: ModelConfig, params: Params, tokens, positions, mask, cache: KV, cache_len,
+            draft_rows=None, out_rows=None):
+    """The forward contract the schedules are written against (see module doc).
+
+    `out_rows` (optional int array) selects the rows whose logits are returned.
+    """
+    if draft_rows is None:
+        draft_rows = jnp.zeros(tokens.shape, bool)
+    return Transformer(c).apply({"params": params}, tokens, positions, mask, cache, cache_len,
+                                draft_rows, out_rows)
+
+
+@functools.lru_cache(maxsize=None)
+def abstract_params(c: ModelConfig):
+    """Shapes and dtypes of the params tree, derived from the module (written down once)."""
+    t = 2
+    return jax.eval_shape(
+        lambda: Transformer(c).init(
+            jax.random.PRNGKey(0), jnp.zeros(t, jnp.int32), jnp.arange(t), jnp.ones((t, t), bool),
+            empty_cache(c, 0), jnp.int32(0), jnp.zeros(t, bool))["params"])
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def init_params(c: ModelConfig, key: jax.Array) -> Params:
+    """Random params (std 0.02 matrices, unit norms); for tests and training from scratch."""
+    t = 2
+    return Transformer(c).init(
+        key, jnp.zeros(t, jnp.int32), jnp.arange(t), jnp.ones((t, t), bool), empty_cache(c, 0),
+        jnp.int32(0), jnp.zeros(t, bool))["params"]

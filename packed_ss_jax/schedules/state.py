@@ -1,0 +1,111 @@
+"""Decoding state and the steps every schedule shares: accept, stop, emit, commit.
+
+The state is one pytree carried through `lax.while_loop`. Stopping (EOS, length
+limit) is decided here, inside the loop (Algorithm 1, lines 7-8); counts are
+traced scalars, so a new `max_new_tokens` or EOS id never recompiles.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from .. import cache as cache_lib
+
+
+class ForwardModel(Protocol):
+    """What a schedule needs from a model (see model.py for the contract)."""
+
+    mask_id: int
+    vocab_size: int
+
+    def forward(self, params, tokens, positions, mask, cache, cache_len, draft_rows,
+                out_rows=None): ...
+
+    def empty_cache(self, size: int): ...
+
+
+@flax.struct.dataclass
+class State:
+    cache: Any
+    cache_len: jax.Array   # committed slots == position of x
+    x: jax.Array           # last verified token; not yet in the cache
+    draft: jax.Array       # [B-1] next draft, MASK-padded
+    draft_len: jax.Array   # real draft tokens in `draft`
+    out: jax.Array         # [capacity] generated tokens
+    n_out: jax.Array
+    done: jax.Array
+    nfe: jax.Array
+    iterations: jax.Array
+    hist: jax.Array        # [B+1]: hist[k] = iterations that emitted k tokens
+    max_new: jax.Array
+    eos_id: jax.Array      # -1: no EOS stopping
+
+
+def run_call(m: ForwardModel, params, call, cache, cache_len, out_rows=None):
+    """One NFE: a layout (see layouts.py) through the model's forward."""
+    return m.forward(params, call.tokens, call.positions, call.mask, cache, cache_len,
+                     call.draft_rows, out_rows)
+
+
+def verifier_tokens(logits):
+    """Greedy AR choice: argmax over the full vocabulary (first index on ties)."""
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def drafter_tokens(logits, mask_id: int):
+    """Greedy draft choice: argmax with MASK excluded (a MASK is never a draft)."""
+    return jnp.argmax(logits.at[..., mask_id].set(-jnp.inf), axis=-1).astype(jnp.int32)
+
+
+def matched_prefix(draft, draft_len, verified):
+    """h: leading draft tokens equal to the verifier's predictions (Eq. 2).
+
+    draft[i] is d^(i+1); verified[i] is v^(i+1). Slots past draft_len are padding and
+    never match, even if the verifier happens to predict the MASK id.
+    """
+    ok = (draft == verified[: draft.shape[0]]) & (jnp.arange(draft.shape[0]) < draft_len)
+    return jnp.sum(jnp.cumprod(ok.astype(jnp.int32))).astype(jnp.int32)
+
+
+def emit(s: State, accepted, count) -> State:
+    """Appends accepted[:a], a = min(count, tokens left, first EOS + 1) (Alg. 1, l. 7-8)."""
+    k = jnp.arange(accepted.shape[0])
+    live = k < count
+    is_eos = live & (accepted == s.eos_id)
+    eos_at = jnp.where(jnp.any(is_eos), jnp.argmax(is_eos) + 1, count)
+    a = jnp.minimum(jnp.minimum(count, s.max_new - s.n_out), eos_at).astype(jnp.int32)
+    capacity = s.out.shape[0]
+    index = jnp.where(k < a, s.n_out + k, capacity)  # out-of-range rows are dropped
+    out = s.out.at[index].set(accepted, mode="drop")
+    n_out = s.n_out + a
+    stopped = jnp.any(is_eos & (k < a)) | (n_out >= s.max_new)
+    return s.replace(out=out, n_out=n_out, done=s.done | stopped,
+                     iterations=s.iterations + 1, hist=s.hist.at[a].add(1))
+
+
+def advance(s: State, kv_rows, rows, accepted, count, next_x, draft, draft_len, calls: int) -> State:
+    """Commits the first `count` candidate rows (x and the accepted drafts), makes the
+    correction/bonus token the next x, stores the next draft, and emits."""
+    cache = cache_lib.commit(s.cache, kv_rows, rows, s.cache_len)
+    s = s.replace(cache=cache, cache_len=s.cache_len + count, x=next_x, draft=draft,
+                  draft_len=draft_len, nfe=s.nfe + calls)
+    return emit(s, accepted, count)
+
+
+def start(m: ForwardModel, cache, n, first, draft, draft_len, *, B: int, capacity: int,
+          max_new, eos_id) -> State:
+    """State after the first call: the prompt is cached, `first` is the first token."""
+    s = State(cache=cache, cache_len=jnp.asarray(n, jnp.int32), x=first, draft=draft,
+              draft_len=jnp.asarray(draft_len, jnp.int32),
+              out=jnp.zeros(capacity, jnp.int32), n_out=jnp.int32(0), done=jnp.bool_(False),
+              nfe=jnp.int32(1), iterations=jnp.int32(0), hist=jnp.zeros(B + 1, jnp.int32),
+              max_new=jnp.asarray(max_new, jnp.int32), eos_id=jnp.asarray(eos_id, jnp.int32))
+    return emit(s, first[None], jnp.int32(1))
+
+
+def no_draft(B: int, mask_id: int):
+    return jnp.full(B - 1, mask_id, jnp.int32), 0

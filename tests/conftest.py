@@ -1,0 +1,52 @@
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+# Parity needs true float32 products (TF32/bf16 passes move the fixture logits by ~1e-3).
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _shared() -> Path:
+    env = os.environ.get("PACKED_SS_SHARED")
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        if (parent / "shared" / "fixtures").is_dir():
+            return parent / "shared"
+        if (parent.parent / "shared" / "fixtures").is_dir():
+            return parent.parent / "shared"
+    return here.parents[2] / "shared"
+
+
+FIXTURES = _shared() / "fixtures"
+NEMOTRON = FIXTURES / "nemotron_tiny"
+
+
+@pytest.fixture(scope="session")
+def nemotron_dir() -> Path:
+    if not NEMOTRON.is_dir():
+        pytest.fail(f"fixture checkpoint not found at {NEMOTRON} (set PACKED_SS_SHARED)")
+    return NEMOTRON
+
+
+@pytest.fixture(scope="session")
+def nemotron_ref(nemotron_dir):
+    return dict(np.load(nemotron_dir / "reference.npz"))
+
+
+@pytest.fixture(scope="session")
+def nemotron(nemotron_dir):
+    import packed_ss_jax as ps
+
+    return ps.load(nemotron_dir, lora=False)
+
+
+@pytest.fixture(scope="session")
+def nemotron_lora(nemotron_dir):
+    import packed_ss_jax as ps
+
+    return ps.load(nemotron_dir)
