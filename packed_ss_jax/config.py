@@ -172,12 +172,98 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{file} is not valid JSON: {e}") from None
 
 
-def from_hf_config(cfg: Mapping[str, Any], dtype: str = "float32") -> ModelConfig:
-    """Dispatches on `model_type`; other families get a clear error."""
+def _base_config(base) -> dict[str, Any]:
+    if isinstance(base, Mapping):
+        return dict(base)
+    return read_hf_config(base)
+
+
+def setdlm_from_hf(cfg: Mapping[str, Any], dtype: str = "float32",
+                   base_config: Mapping[str, Any] | str | Path | None = None) -> ModelConfig:
+    """Reads a SetDLM (BD3LM-style) `config.json`; the Qwen3 dims come from elsewhere.
+
+    The released configs name their backbone (`backbone_config.pretrained_model_name_or_path`)
+    instead of carrying its dimensions, so they come from `base_config` (that model's
+    config.json: a dict, a file or a directory) or, failing that, from an embedded
+    `qwen3_config`. Only the first `backbone_config.num_layers` layers are kept, as the
+    release's loader does. The vocabulary is sized from the backbone (the embedding rows),
+    never from the top-level `vocab_size`, which is the tokenizer length.
+    """
+    where = "SetDLM config.json"
+    archs = [str(a).lower() for a in cfg.get("architectures") or []]
+    if archs and not any("setdlm" in a for a in archs):
+        raise ConfigError(f"{where}: architectures {cfg.get('architectures')} is not SetDLM "
+                          "(other BD3LM-style models are not supported)")
+    backbone = dict(cfg.get("backbone_config") or {})
+    if base_config is not None:
+        qwen = _base_config(base_config)
+    elif cfg.get("qwen3_config"):
+        qwen = dict(cfg["qwen3_config"])
+    else:
+        name = backbone.get("pretrained_model_name_or_path", "<unnamed>")
+        raise ConfigError(
+            f"{where} names its backbone {name!r} (backbone_config.pretrained_model_name_or_path) "
+            "but does not carry its dimensions: pass base_config= the config.json of that model "
+            "(a path to the file or its directory, or a dict)")
+    bwhere = "SetDLM backbone (Qwen3) config"
+    if qwen.get("model_type", "qwen3") != "qwen3":
+        raise ConfigError(f"{bwhere}: model_type {qwen.get('model_type')!r}, expected 'qwen3'")
+    if qwen.get("rope_scaling") or (qwen.get("rope_parameters") or {}).get("rope_type",
+                                                                          "default") != "default":
+        raise ConfigError(f"{bwhere}: only plain RoPE is supported (rope_scaling must be null)")
+    hidden = int(_require(qwen, "hidden_size", bwhere))
+    heads = int(_require(qwen, "num_attention_heads", bwhere))
+    base_layers = int(_require(qwen, "num_hidden_layers", bwhere))
+    layers = int(backbone.get("num_layers") or base_layers)
+    if not 1 <= layers <= base_layers:
+        raise ConfigError(f"{where}: backbone_config.num_layers {layers} must be in "
+                          f"[1, {base_layers}] (the base model's layers)")
+    if backbone.get("keep_top_layers"):
+        raise ConfigError(f"{where}: backbone_config.keep_top_layers is not supported")
+    tok = dict(cfg.get("tokenization_config") or {})
+    mask_id = cfg.get("mask_token_id", tok.get("mask_token_id"))
+    if mask_id is None:
+        raise ConfigError(f"{where} has no mask_token_id: the drafter needs a MASK token")
+    rope_theta = qwen.get("rope_theta", (qwen.get("rope_parameters") or {}).get("rope_theta"))
+    # The noise schedule's desired block size is the window the checkpoint was tuned for.
+    window = int((cfg.get("noise_config") or {}).get("desired_block_size") or 8)
+    return ModelConfig(
+        family="setdlm",
+        vocab_size=int(_require(qwen, "vocab_size", bwhere)),
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(qwen.get("num_key_value_heads") or heads),
+        head_dim=int(qwen.get("head_dim") or hidden // heads),
+        intermediate_size=int(_require(qwen, "intermediate_size", bwhere)),
+        rms_norm_eps=float(qwen.get("rms_norm_eps", 1e-6)),
+        mask_token_id=int(mask_id),
+        eos_token_id=_first_id(cfg.get("eos_token_id", tok.get("eos_token_id"))),
+        bos_token_id=_first_id(cfg.get("bos_token_id", tok.get("bos_token_id"))),
+        block_size=window,
+        max_position_embeddings=int(qwen.get("max_position_embeddings") or 4096),
+        rope_theta=float(rope_theta if rope_theta is not None else 1e6),
+        rope_type="default",
+        qk_norm=True,
+        tie_embeddings=bool(qwen.get("tie_word_embeddings", True)),
+        dtype=dtype,
+    )
+
+
+def from_hf_config(cfg: Mapping[str, Any], dtype: str = "float32",
+                   base_config: Mapping[str, Any] | str | Path | None = None) -> ModelConfig:
+    """Dispatches on `model_type`; other families get a clear error.
+
+    `base_config` (SetDLM only) supplies the backbone dimensions, see `setdlm_from_hf`.
+    """
     model_type = cfg.get("model_type")
     if model_type == NEMOTRON_MODEL_TYPE:
+        if base_config is not None:
+            raise ConfigError("base_config is only used for SetDLM checkpoints")
         return nemotron_from_hf(cfg, dtype)
+    if model_type == SETDLM_MODEL_TYPE:
+        return setdlm_from_hf(cfg, dtype, base_config)
     raise ConfigError(
         f"unsupported model_type {model_type!r}: expected {NEMOTRON_MODEL_TYPE!r} "
-        "(a Nemotron-Labs-Diffusion checkpoint)")
+        f"(a Nemotron-Labs-Diffusion checkpoint) or {SETDLM_MODEL_TYPE!r} (SetDLM)")
 

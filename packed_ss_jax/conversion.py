@@ -6,14 +6,17 @@ import sys
 import time
 from pathlib import Path
 
-from .checkpoints import nemotron, store
+from .checkpoints import store
 from .config import DTYPES, ConfigError
-from .loading import TOKENIZER_FILES, hf_config
+from .loading import TOKENIZER_FILES, hf_config, read_weights
 
 
 def convert(src: str | Path, dst: str | Path, dtype: str = "bfloat16", lora: bool | None = None,
-            overwrite: bool = False, progress: bool = True) -> Path:
-    """Converts `src` (config.json, safetensors shards, optional linear_spec_lora/) to `dst`.
+            overwrite: bool = False, progress: bool = True, base_config=None) -> Path:
+    """Converts `src` (config.json, safetensors shards, optional linear_spec_lora/; or a
+    SetDLM directory with pytorch_model.bin or safetensors) to `dst`.
+
+    base_config: SetDLM only, the Qwen3 base model's config.json (see `load`).
 
     The checkpoint is checked against the expected param shapes first; any missing,
     unexpected or misshaped tensor stops the conversion with the full list. The output
@@ -27,8 +30,8 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "bfloat16", lora: boo
     if dst.exists() and not overwrite:
         raise FileExistsError(f"{dst} already exists (pass overwrite=True / --overwrite to replace it)")
     t0 = time.monotonic()
-    config = hf_config(src, dtype, lora)
-    params = nemotron.read(src, config, progress=progress)
+    config = hf_config(src, dtype, lora, base_config)
+    params = read_weights(src, config, progress=progress)
     copies = [src / "config.json"] + [src / f for f in TOKENIZER_FILES if (src / f).exists()]
     out = store.save(dst, config, params, copies, overwrite=overwrite)
     if progress:

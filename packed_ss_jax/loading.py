@@ -1,4 +1,4 @@
-"""`load`: a Hugging Face Nemotron-Labs-Diffusion directory or a converted one -> Model."""
+"""`load`: a Hugging Face Nemotron-Labs-Diffusion or SetDLM directory, or a converted one -> Model."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from . import model as model_lib
-from .checkpoints import nemotron, store
+from .checkpoints import nemotron, setdlm, store
 from .checkpoints.errors import CheckpointError
 from .config import DTYPES, ConfigError, ModelConfig, from_hf_config, read_hf_config
 
@@ -64,8 +64,12 @@ def _tokenizer(path: Path):
     return Tokenizer.from_file(str(file))
 
 
-def hf_config(path: Path, dtype: str, lora: bool | None) -> ModelConfig:
-    config = from_hf_config(read_hf_config(path), dtype)
+def hf_config(path: Path, dtype: str, lora: bool | None, base_config=None) -> ModelConfig:
+    config = from_hf_config(read_hf_config(path), dtype, base_config)
+    if config.family == "setdlm":
+        if lora:
+            raise CheckpointError("lora=True: SetDLM checkpoints have no draft-only adapter")
+        return config
     adapter = nemotron.lora_config(path)
     if lora and adapter is None:
         raise CheckpointError(f"lora=True but {path} has no {nemotron.LORA_DIR}/ adapter")
@@ -74,12 +78,22 @@ def hf_config(path: Path, dtype: str, lora: bool | None) -> ModelConfig:
     return config
 
 
+def read_weights(path: Path, config: ModelConfig, progress: bool = False) -> dict:
+    """The params of a Hugging Face directory of either family, as NumPy arrays."""
+    reader = setdlm if config.family == "setdlm" else nemotron
+    return reader.read(path, config, progress=progress)
+
+
 def load(path: str | Path, dtype: str = "float32", lora: bool | None = None,
-         progress: bool = False) -> Model:
+         progress: bool = False, base_config=None) -> Model:
     """Loads a checkpoint directory.
 
     path:  a Hugging Face Nemotron-Labs-Diffusion directory (config.json + safetensors,
-           optional `linear_spec_lora/`) or a directory written by `convert`.
+           optional `linear_spec_lora/`), a SetDLM directory (BD3LM-style config.json +
+           pytorch_model.bin or safetensors) or a directory written by `convert`.
+    base_config: SetDLM only: the config.json (path or dict) of the Qwen3 base model that
+           `backbone_config.pretrained_model_name_or_path` names, when the checkpoint's
+           config.json does not carry the backbone dimensions itself.
     dtype: "float32" (CPU, parity) or "bfloat16" (GPU).
     lora:  None uses the draft-only adapter when the checkpoint has one; True requires
            it; False ignores it. The adapter only ever touches drafting rows.
@@ -100,6 +114,6 @@ def load(path: str | Path, dtype: str = "float32", lora: bool | None = None,
             raise CheckpointError(f"lora=True but {path} was converted without an adapter")
         params = store.restore(path, config)
     else:
-        config = hf_config(path, dtype, lora)
-        params = jax.tree.map(jnp.asarray, nemotron.read(path, config, progress=progress))
+        config = hf_config(path, dtype, lora, base_config)
+        params = jax.tree.map(jnp.asarray, read_weights(path, config, progress=progress))
     return Model(config=config, params=params, tokenizer=_tokenizer(path), source=str(path))

@@ -50,3 +50,33 @@ def nemotron_lora(nemotron_dir):
     import packed_ss_jax as ps
 
     return ps.load(nemotron_dir)
+
+
+SETDLM = FIXTURES / "setdlm_tiny"
+SETDLM_SAFETENSORS = FIXTURES / "setdlm_tiny_safetensors"
+
+
+@pytest.fixture(scope="session")
+def setdlm_dir() -> Path:
+    if not SETDLM.is_dir():
+        pytest.fail(f"fixture checkpoint not found at {SETDLM} (set PACKED_SS_SHARED)")
+    return SETDLM
+
+
+@pytest.fixture(scope="session")
+def setdlm_safetensors_dir() -> Path:
+    if not SETDLM_SAFETENSORS.is_dir():
+        pytest.fail(f"fixture checkpoint not found at {SETDLM_SAFETENSORS} (set PACKED_SS_SHARED)")
+    return SETDLM_SAFETENSORS
+
+
+@pytest.fixture(scope="session")
+def setdlm_ref(setdlm_dir):
+    return dict(np.load(setdlm_dir / "reference.npz"))
+
+
+@pytest.fixture(scope="session")
+def setdlm(setdlm_dir):
+    import packed_ss_jax as ps
+
+    return ps.load(setdlm_dir)

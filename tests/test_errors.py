@@ -105,13 +105,20 @@ def test_single_file_checkpoint_loads(nemotron_dir, tmp_path, nemotron_ref):
     assert np.abs(got - nemotron_ref["ar_logits"]).max() < 1e-4
 
 
-@pytest.mark.parametrize("model_type", ["llama", "bd3lm", None])
+@pytest.mark.parametrize("model_type", ["llama", None])
 def test_config_of_another_family(nemotron_dir, tmp_path, model_type):
     def config_edit(cfg):
         cfg["model_type"] = model_type
 
     other = _copy_checkpoint(nemotron_dir, tmp_path / "other", config_edit=config_edit)
     with pytest.raises(ConfigError, match=f"unsupported model_type {model_type!r}"):
+        ps.load(other)
+
+
+def test_bd3lm_config_that_is_not_setdlm(nemotron_dir, tmp_path):
+    other = _copy_checkpoint(nemotron_dir, tmp_path / "other",
+                             config_edit=lambda cfg: cfg.update(model_type="bd3lm"))
+    with pytest.raises(ConfigError, match="is not SetDLM"):
         ps.load(other)
 
 

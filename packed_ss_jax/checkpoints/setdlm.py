@@ -1,0 +1,121 @@
+"""SetDLM checkpoints (`pytorch_model.bin` or safetensors) -> params.
+
+The release saves the whole denoiser, so the Qwen3 names sit under the prefix
+`backbone.model.` (`backbone.model.model.layers.{i}...`, `backbone.model.lm_head.weight`).
+The head is tied to the embedding: in a `.bin` the two names share one storage, a
+safetensors copy stores an identical duplicate, and a checkpoint may omit it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from .. import model as model_lib
+from ..config import ModelConfig
+from .assemble import Entry, assemble
+from .errors import CheckpointError
+from .safetensors_io import INDEX, SINGLE, SafetensorsDir
+from .torch_bin import TorchBin
+
+PREFIX = "backbone.model."
+EMBED = PREFIX + "model.embed_tokens.weight"
+HEAD = PREFIX + "lm_head.weight"
+BIN = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
+
+_LAYER = [
+    (("input_norm", "scale"), "input_layernorm.weight", False),
+    (("attn", "q_proj"), "self_attn.q_proj.weight", True),
+    (("attn", "k_proj"), "self_attn.k_proj.weight", True),
+    (("attn", "v_proj"), "self_attn.v_proj.weight", True),
+    (("attn", "o_proj"), "self_attn.o_proj.weight", True),
+    (("attn", "q_norm", "scale"), "self_attn.q_norm.weight", False),
+    (("attn", "k_norm", "scale"), "self_attn.k_norm.weight", False),
+    (("post_attn_norm", "scale"), "post_attention_layernorm.weight", False),
+    (("mlp", "gate_proj"), "mlp.gate_proj.weight", True),
+    (("mlp", "up_proj"), "mlp.up_proj.weight", True),
+    (("mlp", "down_proj"), "mlp.down_proj.weight", True),
+]
+
+
+def table(c: ModelConfig) -> list[Entry]:
+    entries = [Entry(("embed",), EMBED)]
+    entries += [Entry(("layers",) + path, f"{PREFIX}model.layers.{{i}}.{name}", t, layer=True)
+                for path, name, t in _LAYER]
+    entries.append(Entry(("final_norm", "scale"), PREFIX + "model.norm.weight"))
+    if not c.tie_embeddings:
+        entries.append(Entry(("head",), HEAD, transpose=True))
+    return entries
+
+
+class _BinShards:
+    """`pytorch_model.bin.index.json` over several `.bin` shards."""
+
+    def __init__(self, path: Path):
+        index = path / BIN_INDEX
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a checkpoint index: {e}") from None
+        self.shards = {f: TorchBin(path / f) for f in sorted(set(weight_map.values()))}
+        self.where = {name: self.shards[f] for name, f in weight_map.items()}
+
+    def names(self):
+        return list(self.where)
+
+    def shape(self, name):
+        return self.where[name].shape(name)
+
+    def get(self, name):
+        return self.where[name].get(name)
+
+
+def source(path: str | Path):
+    """The weights of a SetDLM directory: safetensors when present, else the torch `.bin`."""
+    path = Path(path)
+    if (path / SINGLE).exists() or (path / INDEX).exists():
+        return SafetensorsDir(path)
+    if (path / BIN).exists():
+        return TorchBin(path / BIN)
+    if (path / BIN_INDEX).exists():
+        return _BinShards(path)
+    raise CheckpointError(f"no {SINGLE}, {INDEX}, {BIN} or {BIN_INDEX} in {path}")
+
+
+def _ignored(c: ModelConfig):
+    layer = re.compile(re.escape(PREFIX) + r"model\.layers\.(\d+)\.")
+
+    def ignore(name: str) -> bool:
+        if name.endswith("rotary_emb.inv_freq"):
+            return True  # a recomputed buffer some exports keep
+        m = layer.match(name)
+        # The release truncates the base model to backbone_config.num_layers.
+        return bool(m) and int(m.group(1)) >= c.num_layers
+
+    return ignore
+
+
+def _np_dtype(c: ModelConfig):
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16 if c.dtype == "bfloat16" else np.float32
+
+
+def read(path: str | Path, c: ModelConfig, progress: bool = False) -> dict:
+    """Reads the weights into a params tree, checking the tied head when it is stored."""
+    src = source(path)
+    names = set(src.names())
+    tied_head = c.tie_embeddings and HEAD in names
+    if tied_head and not (isinstance(src, TorchBin) and src.shares_storage(HEAD, EMBED)):
+        # A stored copy must really be the embedding, or the head we use would be wrong.
+        if EMBED in names and (src.shape(HEAD) != src.shape(EMBED)
+                               or not np.array_equal(src.get(HEAD), src.get(EMBED))):
+            raise CheckpointError(f"{HEAD} differs from {EMBED}, but the config ties them "
+                                  "(tie_word_embeddings)")
+    return assemble(table(c), model_lib.abstract_params(c), c.num_layers, src, _np_dtype(c),
+                    ignore=_ignored(c), label="weights", progress=progress,
+                    allow_unexpected=[HEAD] if tied_head else [])
