@@ -96,7 +96,8 @@ def _prompt_ids(model, prompt) -> np.ndarray:
 
 def decode(model, prompt: str | Sequence[int], *, schedule: str = "packed",
            block_size: int | None = None, max_new_tokens: int = 128, eos_id: int | None = -1,
-           cache_size: int | None = None) -> DecodeResult:
+           cache_size: int | None = None, window: int | None = None,
+           order: str = "ltr", stop_sequences: Sequence = ()) -> DecodeResult:
     """Greedy decoding with one schedule: "ar", "linear", "quadratic" or "packed".
 
     block_size: B >= 2 (speculative width W = B - 1); default the config's block size
@@ -105,7 +106,16 @@ def decode(model, prompt: str | Sequence[int], *, schedule: str = "packed",
                 None disables EOS stopping.
     cache_size: KV slots for prompt + output (default min(4096, max positions)); it
                 is part of the compiled shape, so keep it fixed across calls.
+    SetDLM models (config.family "setdlm") take `window` (W >= 1), `order` ("ltr" or
+    "confidence") and `stop_sequences` (multi-token markers) instead of `block_size`, and
+    the schedules "packed", "linear", "quadratic", "native" and "serial"; see
+    `packed_ss_jax.setdlm.decode.decode`.
     """
+    if getattr(getattr(model, "config", None), "family", None) == "setdlm":
+        return _setdlm(model, prompt, locals())
+    if window is not None or order != "ltr" or stop_sequences:
+        raise ValueError("window, order and stop_sequences apply to SetDLM models only; "
+                         "this model decodes with block_size")
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; expected one of {sorted(SCHEDULES)}")
     config = getattr(model, "config", None)
@@ -136,3 +146,17 @@ def decode(model, prompt: str | Sequence[int], *, schedule: str = "packed",
     return DecodeResult(tokens=tokens, nfe=raw.nfe, iterations=raw.iterations,
                         accept_hist=raw.accept_hist, wall_s=raw.wall_s, compile_s=raw.compile_s,
                         schedule=schedule, block_size=B, prompt_len=len(ids), text=text)
+
+
+def _setdlm(model, prompt, args):
+    """SetDLM has its own layouts and schedules (packed_ss_jax.setdlm); greedy only."""
+    from .setdlm.decode import decode as setdlm_decode
+
+    if args["block_size"] is not None:
+        raise ValueError("SetDLM models take window= (W), not block_size")
+    if args.get("temperature", 0.0) != 0.0:
+        raise ValueError("SetDLM decoding is greedy only: temperature must be 0")
+    return setdlm_decode(model, prompt, schedule=args["schedule"], window=args["window"],
+                         order=args["order"], stop_sequences=args["stop_sequences"],
+                         max_new_tokens=args["max_new_tokens"], eos_id=args["eos_id"],
+                         cache_size=args["cache_size"])

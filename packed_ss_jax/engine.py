@@ -86,6 +86,17 @@ def clear_cache() -> None:
     _compiled.clear()
 
 
+def aot(key: Hashable, fn: Callable, *args) -> tuple[Callable, float]:
+    """`fn` lowered and compiled for `args` once per hashable `key`, for decode programs
+    built outside `build` (another model family); returns it and the seconds spent now."""
+    if key in _compiled:
+        return _compiled[key], 0.0
+    t0 = time.perf_counter()
+    exe = jax.jit(fn).lower(*args).compile()
+    _compiled[key] = exe
+    return exe, time.perf_counter() - t0
+
+
 def run(m, params, prompt_ids: np.ndarray, *, schedule: str, block_size: int, max_new: int,
         eos_id: int | None, capacity: int) -> RawResult:
     p = Program(schedule, block_size, bucket_for(len(prompt_ids), capacity), capacity)

@@ -1,0 +1,183 @@
+"""SetDLM decode driver: the prompt call, then `lax.while_loop` over one schedule step.
+
+One program per (model config, schedule, W, order, prompt bucket, cache size) is
+compiled ahead of time through the engine's cache; the prompt length, the length
+limit and the stop markers are traced arguments, so they never recompile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import cache as cache_lib
+from .. import engine
+from .. import layouts as base_layouts
+from ..api import DecodeResult, _check_ids, _prompt_ids
+from .schedules import SCHEDULES
+from .state import State
+
+ORDERS = ("ltr", "confidence")
+MAX_STOPS = 8       # stop markers per request (EOS included)
+MAX_STOP_LEN = 16   # tokens per marker
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    schedule: str
+    window: int
+    order: str
+    bucket: int
+    capacity: int
+
+
+@dataclasses.dataclass
+class SetDLMResult(DecodeResult):
+    window: int = 0
+    order: str = "ltr"
+    rows: int = 0                  # uncached rows evaluated after the prompt call
+    max_rows: int = 0              # most rows in one call after the prompt call
+    orders: list = dataclasses.field(default_factory=list)    # pi_t per iteration
+    accepted: list = dataclasses.field(default_factory=list)  # A_t per iteration
+    # Accepted tokens each iteration leaves to be fed as clean rows in the next call
+    # (the correction, p_{t+1}; for "native" every committed token).
+    fed: list = dataclasses.field(default_factory=list)
+
+
+def start(m, params, prompt, n, *, p: Program, max_new, stop_tok, stop_len) -> State:
+    """The prompt call (1 NFE): a causal pass that fills the cache (App. E.2)."""
+    W, P = p.window, prompt.shape[0]
+    call = base_layouts.prefill(prompt)
+    _, kv = m.forward(params, call.tokens, call.positions, call.mask, m.empty_cache(0), 0,
+                      call.draft_rows, jnp.zeros(1, jnp.int32))
+    # Headroom past `capacity` keeps every commit of up to 1 + 2W rows in range.
+    cache = cache_lib.commit(m.empty_cache(p.capacity + 2 * W + 2), kv, jnp.arange(P), 0)
+    S, C = p.capacity + 2 * W + 2, p.capacity + W
+    Np = W if p.schedule == "native" else 1
+    iters = 2 * p.capacity + 2  # E or the unresolved count below E drops every iteration
+    return State(
+        cache=cache, cache_len=jnp.asarray(n, jnp.int32), slot_out=jnp.full(S, -1, jnp.int32),
+        n=jnp.asarray(n, jnp.int32), tok=jnp.zeros(C, jnp.int32), res=jnp.zeros(C, bool),
+        draft=jnp.zeros(C, jnp.int32), has_draft=jnp.zeros(C, bool),
+        score=jnp.full(C, -jnp.inf, jnp.float32), pend_tok=jnp.zeros(Np, jnp.int32),
+        pend_out=jnp.full(Np, -1, jnp.int32), pend_n=jnp.int32(0),
+        E=jnp.asarray(max_new, jnp.int32), stop_tok=stop_tok, stop_len=stop_len,
+        done=jnp.bool_(False), nfe=jnp.int32(1), iterations=jnp.int32(0), rows=jnp.int32(0),
+        max_rows=jnp.int32(0), hist=jnp.zeros(W + 1, jnp.int32),
+        trace_out=jnp.full((iters, W), -1, jnp.int32), trace_A=jnp.zeros(iters, jnp.int32),
+        trace_fed=jnp.zeros(iters, jnp.int32))
+
+
+def build(m, p: Program):
+    step = SCHEDULES[p.schedule]
+
+    def run(params, prompt, n, max_new, stop_tok, stop_len):
+        s = start(m, params, prompt, n, p=p, max_new=max_new, stop_tok=stop_tok,
+                  stop_len=stop_len)
+        s = jax.lax.while_loop(lambda s: ~s.done,
+                               lambda s: step(m, params, s, W=p.window, order=p.order), s)
+        return (s.tok, s.E, s.nfe, s.iterations, s.rows, s.max_rows, s.hist, s.trace_out,
+                s.trace_A, s.trace_fed)
+
+    return run
+
+
+def _stop_table(model, stop_sequences, eos_id):
+    markers = []
+    for seq in stop_sequences or ():
+        if isinstance(seq, str):
+            if model.tokenizer is None:
+                raise ValueError(f"stop sequence {seq!r} is a string but this model has no "
+                                 "tokenizer; pass token ids")
+            seq = model.tokenizer.encode(seq, add_special_tokens=False).ids
+        if isinstance(seq, (int, np.integer)) and not isinstance(seq, bool):
+            seq = [seq]
+        seq = list(seq)
+        if not seq:
+            raise ValueError("empty stop sequence: every stop marker needs at least one token")
+        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in seq):
+            raise TypeError(f"stop sequence {seq!r} must be integer token ids (or a string)")
+        if len(seq) > MAX_STOP_LEN:
+            raise ValueError(f"stop sequence of {len(seq)} tokens is longer than {MAX_STOP_LEN}")
+        _check_ids(np.asarray(seq, np.int64), model.vocab_size, "stop sequence")
+        markers.append(seq)
+    if eos_id is not None:
+        markers.append([eos_id])
+    if len(markers) > MAX_STOPS:
+        raise ValueError(f"{len(markers)} stop markers (EOS included); at most {MAX_STOPS}")
+    tok = np.zeros((MAX_STOPS, MAX_STOP_LEN), np.int32)
+    length = np.zeros(MAX_STOPS, np.int32)
+    for i, seq in enumerate(markers):
+        tok[i, : len(seq)] = seq
+        length[i] = len(seq)
+    return jnp.asarray(tok), jnp.asarray(length)
+
+
+def _positive_int(value, what: str):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{what} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def decode(model, prompt: str | Sequence[int], *, schedule: str = "packed",
+           window: int | None = None, order: str = "ltr",
+           stop_sequences: Sequence[Sequence[int] | str] = (), max_new_tokens: int = 128,
+           eos_id: int | None = -1, cache_size: int | None = None) -> SetDLMResult:
+    """Greedy SetDLM decoding (see `packed_ss_jax.decode`).
+
+    schedule: "packed", "linear", "quadratic", "native" (the release's threshold
+              decoder) or "serial" (one token per call, the reference).
+    window:   W >= 1, the active window (default: the checkpoint's desired block size).
+    order:    "ltr" or "confidence" (App. E.6); "native" and "serial" are LTR only.
+    stop_sequences: markers (token-id lists, or strings with a tokenizer); one counts once
+              all its tokens are accepted, and the output ends with the earliest (E.2).
+    eos_id:   a one-token marker; -1 (default) uses the config's EOS, None disables it.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r} for SetDLM; expected one of "
+                         f"{sorted(SCHEDULES)}")
+    if order not in ORDERS:
+        raise ValueError(f"unknown order {order!r}; expected one of {ORDERS}")
+    if order != "ltr" and schedule in ("native", "serial"):
+        raise ValueError(f"schedule {schedule!r} has no verification order; use order='ltr'")
+    config = model.config
+    W = _positive_int(config.block_size if window is None else window, "window")
+    if schedule == "serial":
+        W = 1
+    max_new = _positive_int(max_new_tokens, "max_new_tokens")
+    if eos_id == -1:
+        eos_id = config.eos_token_id
+    if eos_id is not None and not 0 <= eos_id < model.vocab_size:
+        raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, {model.vocab_size})")
+    stop_tok, stop_len = _stop_table(model, stop_sequences, eos_id)
+    if cache_size is None:
+        cache_size = min(4096, config.max_position_embeddings)
+    ids = _prompt_ids(model, prompt)
+    if len(ids) + max_new > cache_size:
+        raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) = "
+                         f"{len(ids) + max_new} exceeds the cache ({cache_size} slots); "
+                         "shorten the request or pass a larger cache_size")
+    p = Program(schedule, W, order, engine.bucket_for(len(ids), cache_size), int(cache_size))
+    padded = np.zeros(p.bucket, np.int32)
+    padded[: len(ids)] = ids
+    args = (jnp.asarray(padded), jnp.int32(len(ids)), jnp.int32(max_new), stop_tok, stop_len)
+    exe, compile_s = engine.aot(("setdlm", model.key, p), build(model, p), model.params, *args)
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(exe(model.params, *args))
+    wall = time.perf_counter() - t0
+    tok, E, nfe, iters, rows, max_rows, hist, trace_out, trace_A, trace_fed = jax.device_get(out)
+    E, iters = int(E), int(iters)
+    tokens = tok[:E].tolist()
+    text = model.tokenizer.decode(tokens) if getattr(model, "tokenizer", None) is not None else None
+    orders = [[int(o) for o in row if o >= 0] for row in trace_out[:iters]]
+    return SetDLMResult(
+        tokens=tokens, nfe=int(nfe), iterations=iters, accept_hist=np.asarray(hist),
+        wall_s=wall, compile_s=compile_s, schedule=schedule, block_size=W + 1,
+        prompt_len=len(ids), text=text, window=W, order=order, rows=int(rows),
+        max_rows=int(max_rows), orders=orders, accepted=[int(a) for a in trace_A[:iters]],
+        fed=[int(f) for f in trace_fed[:iters]])

@@ -1,0 +1,146 @@
+"""Row buffers and masks of SetDLM calls (App. D.2; SPEC "SetDLM layouts").
+
+Every position can appear as a clean token row and as MASK query rows, all with the
+same position id; a MASK row predicts the token at its own position. Clean rows see
+the cache and earlier clean rows in their feeding order; a MASK row sees the cache,
+the clean rows its conditional is on, and itself, never another MASK row.
+
+Shapes are static: a window of W ranks is always laid out in full, and ranks >= u
+(and an absent N) are padding rows that see only themselves and that no row sees.
+Masks are data built from the window, since the order and the drafts change the
+pattern from call to call. Region names follow the paper: N (the correction not yet
+fed), O (the previous draft, rank order), M (verifier queries), R (draft queries).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from ..layouts import Call
+from .state import Window
+
+
+def _i32(a):
+    return jnp.asarray(a, jnp.int32)
+
+
+def _earlier_drafts(w: Window):
+    """K[r, s]: rank s < r holds a draft (the K_r of App. D.2)."""
+    r = jnp.arange(w.out.shape[0])
+    return w.drafted[None, :] & (r[None, :] < r[:, None])
+
+
+def _call(tokens, positions, mask):
+    return Call(_i32(tokens), _i32(positions), mask, jnp.zeros(tokens.shape[0], bool))
+
+
+def _n_row(width: int):
+    return jnp.zeros((1, width), bool).at[0, 0].set(True)
+
+
+def packed(n, n_tok, n_out, p, w: Window, drafts, mask_id: int) -> Call:
+    """Packed-SS `[N | O | M | R]`, 1 + 3W rows (p + 3u used):
+    O_r <- O_{K_r} + O_r, M_r <- O_{K_r} + M_r, R_r <- R_r; O, M, R also see N."""
+    W = w.out.shape[0]
+    K, I, Z = _earlier_drafts(w), jnp.eye(W, dtype=bool), jnp.zeros((W, W), bool)
+    sees_n = (w.active & (p > 0))[:, None]
+    mask = jnp.concatenate([
+        _n_row(1 + 3 * W),
+        jnp.concatenate([sees_n, K | I, Z, Z], axis=1),
+        jnp.concatenate([sees_n, K, I, Z], axis=1),
+        jnp.concatenate([sees_n, Z, Z, I], axis=1),
+    ])
+    masks = jnp.full(W, mask_id, jnp.int32)
+    tokens = jnp.concatenate([jnp.where(p > 0, n_tok, mask_id)[None],
+                              jnp.where(w.drafted, drafts, mask_id), masks, masks])
+    pos = n + w.out
+    positions = jnp.concatenate([(n + jnp.maximum(n_out, 0))[None], pos, pos, pos])
+    return _call(tokens, positions, mask)
+
+
+def quadratic(n, n_tok, n_out, p, w: Window, drafts, mask_id: int) -> Call:
+    """Quadratic-SS `[N | O | M | branch_0 .. branch_{W-1}]`, 1 + 2W + W^2 rows
+    (p + 2u + u^2 used). Branch b is the outcome "b drafts accepted": its W queries,
+    one per rank, see N, the drafted O_s with s < b (what M_b sees) and themselves;
+    branch 0 is Packed-SS's R."""
+    W = w.out.shape[0]
+    K, I, Z = _earlier_drafts(w), jnp.eye(W, dtype=bool), jnp.zeros((W, W), bool)
+    sees_n = (w.active & (p > 0))[:, None]
+    branch_o = jnp.broadcast_to(K[:, None, :], (W, W, W)).reshape(W * W, W)  # [b, k] -> s
+    mask = jnp.concatenate([
+        _n_row(1 + 2 * W + W * W),
+        jnp.concatenate([sees_n, K | I, Z, jnp.zeros((W, W * W), bool)], axis=1),
+        jnp.concatenate([sees_n, K, I, jnp.zeros((W, W * W), bool)], axis=1),
+        jnp.concatenate([jnp.tile(sees_n, (W, 1)), branch_o, jnp.zeros((W * W, W), bool),
+                         jnp.eye(W * W, dtype=bool)], axis=1),
+    ])
+    tokens = jnp.concatenate([jnp.where(p > 0, n_tok, mask_id)[None],
+                              jnp.where(w.drafted, drafts, mask_id),
+                              jnp.full(W + W * W, mask_id, jnp.int32)])
+    pos = n + w.out
+    positions = jnp.concatenate([(n + jnp.maximum(n_out, 0))[None], pos, pos, jnp.tile(pos, W)])
+    return _call(tokens, positions, mask)
+
+
+def draft(n, n_tok, n_out, p, w: Window, mask_id: int) -> Call:
+    """Linear-SS drafting call `[N | R]`, 1 + W rows (p + u used)."""
+    W = w.out.shape[0]
+    sees_n = (w.active & (p > 0))[:, None]
+    mask = jnp.concatenate([_n_row(1 + W),
+                            jnp.concatenate([sees_n, jnp.eye(W, dtype=bool)], axis=1)])
+    tokens = jnp.concatenate([jnp.where(p > 0, n_tok, mask_id)[None],
+                              jnp.full(W, mask_id, jnp.int32)])
+    positions = jnp.concatenate([(n + jnp.maximum(n_out, 0))[None], n + w.out])
+    return _call(tokens, positions, mask)
+
+
+def verify(n, w: Window, drafts, mask_id: int) -> Call:
+    """Linear-SS verification call `[O | M]`, 2W rows (2u used); N is already cached."""
+    W = w.out.shape[0]
+    K, I = _earlier_drafts(w), jnp.eye(W, dtype=bool)
+    mask = jnp.concatenate([jnp.concatenate([K | I, jnp.zeros((W, W), bool)], axis=1),
+                            jnp.concatenate([K, I], axis=1)])
+    tokens = jnp.concatenate([jnp.where(w.drafted, drafts, mask_id),
+                              jnp.full(W, mask_id, jnp.int32)])
+    pos = n + w.out
+    return _call(tokens, jnp.concatenate([pos, pos]), mask)
+
+
+def step(n, c_tok, c_out, c_n, w: Window, mask_id: int) -> Call:
+    """Native decoder step `[C | Q]`, 2W rows (p + u used): the tokens committed last
+    step as clean rows, causal in feeding order, then the window's MASK queries, each
+    seeing every new clean row and itself (the release's inference step)."""
+    W = w.out.shape[0]
+    live = jnp.arange(c_tok.shape[0]) < c_n
+    clean = jnp.tril(jnp.ones((W, W), bool)) & live[None, :] | jnp.eye(W, dtype=bool)
+    sees_c = w.active[:, None] & live[None, :]
+    mask = jnp.concatenate([jnp.concatenate([clean, jnp.zeros((W, W), bool)], axis=1),
+                            jnp.concatenate([sees_c, jnp.eye(W, dtype=bool)], axis=1)])
+    tokens = jnp.concatenate([jnp.where(live, c_tok, mask_id), jnp.full(W, mask_id, jnp.int32)])
+    positions = jnp.concatenate([n + jnp.maximum(c_out, 0), n + w.out])
+    return _call(tokens, positions, mask)
+
+
+def serial(n, n_tok, n_out, p, w: Window, mask_id: int) -> Call:
+    """One-token-at-a-time reference `[N | M]`: the last token fed as a clean row and
+    one MASK query at the left-most unresolved position."""
+    mask = jnp.array([[True, False], [False, True]]).at[1, 0].set(p > 0)
+    tokens = jnp.stack([jnp.where(p > 0, n_tok, mask_id), jnp.int32(mask_id)])
+    positions = jnp.stack([n + jnp.maximum(n_out, 0), n + w.out[0]])
+    return _call(tokens, positions, mask)
+
+
+def two_stream(x0, sigma, mask_id: int):
+    """The training construction: input `[x0[sigma] ; MASK^L]` at positions
+    `[sigma ; sigma]`. A clean row sees clean rows of earlier-or-equal rank; a query row
+    sees clean rows of strictly earlier rank and itself; so query row k gives
+    p(x_sigma(k) | x_sigma(<k)), every any-order conditional in one pass."""
+    x0, sigma = jnp.asarray(x0, jnp.int32), jnp.asarray(sigma, jnp.int32)
+    L = x0.shape[0]
+    k = jnp.arange(L)
+    earlier = k[None, :] < k[:, None]
+    I, Z = jnp.eye(L, dtype=bool), jnp.zeros((L, L), bool)
+    mask = jnp.concatenate([jnp.concatenate([earlier | I, Z], axis=1),
+                            jnp.concatenate([earlier, I], axis=1)])
+    tokens = jnp.concatenate([x0[sigma], jnp.full(L, mask_id, jnp.int32)])
+    return tokens, jnp.concatenate([sigma, sigma]), mask
