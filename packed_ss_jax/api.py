@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import engine
+from .sampling import Sampler
 from .schedules import SCHEDULES
 
 DEFAULT_CACHE_SIZE = 4096
@@ -96,9 +97,15 @@ def _prompt_ids(model, prompt) -> np.ndarray:
 
 def decode(model, prompt: str | Sequence[int], *, schedule: str = "packed",
            block_size: int | None = None, max_new_tokens: int = 128, eos_id: int | None = -1,
-           cache_size: int | None = None, window: int | None = None,
+           temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+           seed: int = 0, cache_size: int | None = None, window: int | None = None,
            order: str = "ltr", stop_sequences: Sequence = ()) -> DecodeResult:
-    """Greedy decoding with one schedule: "ar", "linear", "quadratic" or "packed".
+    """Decoding with one schedule: "ar", "linear", "quadratic" or "packed".
+
+    temperature 0 is greedy (the speculative schedules return exactly the AR argmax
+    tokens). temperature > 0 samples exactly from the AR model's tempered, top-k /
+    top-p truncated distribution (speculative rejection sampling); `seed` makes a run
+    reproducible.
 
     block_size: B >= 2 (speculative width W = B - 1); default the config's block size
                 (ignored by "ar").
@@ -118,6 +125,11 @@ def decode(model, prompt: str | Sequence[int], *, schedule: str = "packed",
                          "this model decodes with block_size")
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; expected one of {sorted(SCHEDULES)}")
+    sampler = Sampler(temperature, top_k, top_p)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+    if sampler.greedy:
+        sampler = Sampler()  # truncation does not change an argmax: one greedy program
     config = getattr(model, "config", None)
     if block_size is None:
         block_size = getattr(config, "block_size", 8)
@@ -140,7 +152,8 @@ def decode(model, prompt: str | Sequence[int], *, schedule: str = "packed",
                          "shorten the request or pass a larger cache_size")
     B = 1 if schedule == "ar" else int(block_size)
     raw = engine.run(model, model.params, ids, schedule=schedule, block_size=B,
-                     max_new=int(max_new_tokens), eos_id=eos_id, capacity=int(cache_size))
+                     max_new=int(max_new_tokens), eos_id=eos_id, capacity=int(cache_size),
+                     sampler=sampler, seed=int(seed))
     tokens = raw.tokens.tolist()
     text = model.tokenizer.decode(tokens) if getattr(model, "tokenizer", None) is not None else None
     return DecodeResult(tokens=tokens, nfe=raw.nfe, iterations=raw.iterations,

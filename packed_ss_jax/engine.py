@@ -1,9 +1,9 @@
 """The decode driver: first call, then `lax.while_loop` over one schedule step.
 
-One program per (model config, schedule, B, prompt bucket, cache size) is lowered
-and compiled ahead of time and kept; the prompt length, `max_new_tokens` and the
-EOS id are traced arguments, so they never recompile. Nothing returns to the host
-until the loop has stopped.
+One program per (model config, schedule, B, prompt bucket, cache size, sampler) is
+lowered and compiled ahead of time and kept; the prompt length, `max_new_tokens`,
+the EOS id and the seed are traced arguments, so they never recompile. Nothing
+returns to the host until the loop has stopped.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .sampling import Sampler
 from .schedules import SCHEDULES
 
 MIN_BUCKET = 16
@@ -27,6 +28,7 @@ class Program:
     block_size: int
     bucket: int
     capacity: int
+    sampler: Sampler = Sampler()
 
 
 @dataclasses.dataclass
@@ -55,19 +57,24 @@ def build(m, p: Program) -> Callable:
     init, step = SCHEDULES[p.schedule]
     B = p.block_size
 
-    def run(params, prompt, n, max_new, eos_id):
-        s = init(m, params, prompt, n, B=B, capacity=p.capacity, max_new=max_new, eos_id=eos_id)
-        s = jax.lax.while_loop(lambda s: ~s.done, lambda s: step(m, params, s, B=B), s)
+    sampler = p.sampler
+
+    def run(params, prompt, n, max_new, eos_id, seed):
+        key = jax.random.PRNGKey(seed)
+        s = init(m, params, prompt, n, B=B, capacity=p.capacity, max_new=max_new, eos_id=eos_id,
+                 sampler=sampler, key=key)
+        s = jax.lax.while_loop(lambda s: ~s.done,
+                               lambda s: step(m, params, s, B=B, sampler=sampler), s)
         return s.out, s.n_out, s.nfe, s.iterations, s.hist
 
     return run
 
 
-def _args(prompt_ids: np.ndarray, bucket: int, max_new: int, eos_id: int | None):
+def _args(prompt_ids: np.ndarray, bucket: int, max_new: int, eos_id: int | None, seed=0):
     padded = np.zeros(bucket, np.int32)
     padded[: len(prompt_ids)] = prompt_ids
     return (jnp.asarray(padded), jnp.int32(len(prompt_ids)), jnp.int32(max_new),
-            jnp.int32(-1 if eos_id is None else eos_id))
+            jnp.int32(-1 if eos_id is None else eos_id), jnp.asarray(seed, jnp.uint32))
 
 
 def compiled(m, params, p: Program) -> tuple[Callable, float]:
@@ -98,13 +105,32 @@ def aot(key: Hashable, fn: Callable, *args) -> tuple[Callable, float]:
 
 
 def run(m, params, prompt_ids: np.ndarray, *, schedule: str, block_size: int, max_new: int,
-        eos_id: int | None, capacity: int) -> RawResult:
-    p = Program(schedule, block_size, bucket_for(len(prompt_ids), capacity), capacity)
+        eos_id: int | None, capacity: int, sampler: Sampler = Sampler(), seed: int = 0) -> RawResult:
+    p = Program(schedule, block_size, bucket_for(len(prompt_ids), capacity), capacity, sampler)
     exe, compile_s = compiled(m, params, p)
-    args = _args(prompt_ids, p.bucket, max_new, eos_id)
+    args = _args(prompt_ids, p.bucket, max_new, eos_id, seed)
     t0 = time.perf_counter()
     out = jax.block_until_ready(exe(params, *args))
     wall = time.perf_counter() - t0
     tokens, n_out, nfe, iterations, hist = jax.device_get(out)
     return RawResult(tokens=np.asarray(tokens[:n_out]), nfe=int(nfe), iterations=int(iterations),
                      accept_hist=np.asarray(hist), wall_s=wall, compile_s=compile_s)
+
+
+def run_many(m, params, prompt_ids: np.ndarray, seeds: np.ndarray, *, schedule: str,
+             block_size: int, max_new: int, eos_id: int | None, capacity: int,
+             sampler: Sampler) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Many independent samples of one prompt in one call: the decode vmapped over seeds.
+
+    Returns tokens [N, capacity], lengths [N], nfe [N]. Row i equals `run(..., seed=seeds[i])`.
+    """
+    p = Program(schedule, block_size, bucket_for(len(prompt_ids), capacity), capacity, sampler)
+    key = (m.key, p, "many", len(seeds))
+    if key not in _compiled:
+        one = build(m, p)
+        many = jax.vmap(one, in_axes=(None, None, None, None, None, 0))
+        args = _args(prompt_ids, p.bucket, max_new, eos_id)[:-1] + (jnp.zeros(len(seeds), jnp.uint32),)
+        _compiled[key] = jax.jit(many).lower(params, *args).compile()
+    args = _args(prompt_ids, p.bucket, max_new, eos_id)[:-1] + (jnp.asarray(seeds, jnp.uint32),)
+    out, n_out, nfe, _, _ = jax.device_get(_compiled[key](params, *args))
+    return np.asarray(out), np.asarray(n_out), np.asarray(nfe)

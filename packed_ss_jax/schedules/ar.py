@@ -5,10 +5,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from .. import layouts
-from .state import State, advance, run_call, verifier_tokens
+from ..sampling import Sampler
+from .state import State, advance, choose_first, run_call, split
 
 
-def step(m, params, s: State, *, B: int) -> State:
+def step(m, params, s: State, *, B: int, sampler: Sampler) -> State:
+    s, (k,) = split(s, 1, sampler)
     logits, kv = run_call(m, params, layouts.single(s.x, s.cache_len), s.cache, s.cache_len)
-    v = verifier_tokens(logits)
+    v = choose_first(logits[0], sampler, k)[None]
     return advance(s, kv, jnp.arange(1), v, jnp.int32(1), v[0], s.draft, s.draft_len, calls=1)

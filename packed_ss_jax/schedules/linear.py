@@ -9,16 +9,18 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from .. import layouts
-from .state import State, advance, drafter_tokens, matched_prefix, run_call, verifier_tokens
+from ..sampling import Sampler
+from .state import State, advance, propose, run_call, split, verify_draft
 
 
-def step(m, params, s: State, *, B: int) -> State:
+def step(m, params, s: State, *, B: int, sampler: Sampler) -> State:
     W = B - 1
+    s, (k_draft, k_verify) = split(s, 2, sampler)
     call = layouts.draft_block(s.x, s.cache_len, B, m.mask_id)
     logits, _ = run_call(m, params, call, s.cache, s.cache_len, out_rows=jnp.arange(1, B))
-    draft = drafter_tokens(logits, m.mask_id)  # unshifted: row j drafts position c+j
+    draft, q = propose(logits, sampler, m.mask_id, k_draft)  # unshifted: row j drafts c+j
 
     logits, kv = run_call(m, params, layouts.verify(s.x, draft, s.cache_len), s.cache, s.cache_len)
-    v = verifier_tokens(logits)  # v[i] predicts position c+i+1
-    h = matched_prefix(draft, W, v)
-    return advance(s, kv, jnp.arange(B), v, h + 1, v[h], s.draft, jnp.int32(0), calls=2)
+    h, accepted = verify_draft(logits, draft, W, q, sampler, k_verify)
+    return advance(s, kv, jnp.arange(B), accepted, h + 1, accepted[h], s.draft, jnp.int32(0),
+                   calls=2)

@@ -1,19 +1,24 @@
-"""The two ways a schedule starts (one NFE each, App. E.2).
+"""How a schedule starts (App. E.2).
 
-`prefill` (AR, Linear-SS): a causal pass over the prompt gives the first token.
-`first_call` (Packed-SS, Quadratic-SS): the same pass plus B MASK rows after the
-prompt, so the first call also yields a full draft of B-1 tokens for positions
-n+1..n+B-1 (the proposal for position n is dropped: the verifier fills it).
+`prefill` (AR, Linear-SS; every schedule when sampling): a causal pass over the prompt
+gives the first token (1 NFE).
+`first_call` (Packed-SS, Quadratic-SS): greedy, the same pass plus B MASK rows after
+the prompt, so one call also yields a full draft of B-1 tokens for positions
+n+1..n+B-1 (the proposal for position n is dropped: the verifier fills it). When
+sampling, the first token is drawn first and a second call `[x, MASK^(B-1)]` drafts
+from the prompt and that token (2 NFE), so every draft carries its Q.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from .. import cache as cache_lib
 from .. import layouts
-from .state import (ForwardModel, State, drafter_tokens, no_draft, run_call, start,
-                    verifier_tokens)
+from ..sampling import Sampler
+from .state import (ForwardModel, State, choose_first, drafter_tokens, empty_q, no_draft, propose,
+                    run_call, split, start, verifier_tokens)
 
 
 def _cache_prompt(m: ForwardModel, kv_rows, P: int, capacity: int, B: int):
@@ -21,18 +26,27 @@ def _cache_prompt(m: ForwardModel, kv_rows, P: int, capacity: int, B: int):
     return cache_lib.commit(m.empty_cache(capacity + B), kv_rows, jnp.arange(P), 0)
 
 
-def prefill(m: ForwardModel, params, prompt, n, *, B: int, capacity: int, max_new, eos_id) -> State:
+def prefill(m: ForwardModel, params, prompt, n, *, B: int, capacity: int, max_new, eos_id,
+            sampler: Sampler, key) -> State:
     call = layouts.prefill(prompt)
     logits, kv = run_call(m, params, call, m.empty_cache(0), 0, out_rows=(n - 1)[None])
-    first = verifier_tokens(logits[0])
+    k_first = None
+    if not sampler.greedy:
+        key, k_first = jax.random.split(key)
+    first = choose_first(logits[0], sampler, k_first)
     cache = _cache_prompt(m, kv, prompt.shape[0], capacity, B)
     draft, draft_len = no_draft(B, m.mask_id)
     return start(m, cache, n, first, draft, draft_len, B=B, capacity=capacity, max_new=max_new,
-                 eos_id=eos_id)
+                 eos_id=eos_id, key=None if sampler.greedy else key,
+                 draft_q=empty_q(sampler, B - 1, m.vocab_size))
 
 
-def first_call(m: ForwardModel, params, prompt, n, *, B: int, capacity: int, max_new,
-               eos_id) -> State:
+def first_call(m: ForwardModel, params, prompt, n, *, B: int, capacity: int, max_new, eos_id,
+               sampler: Sampler, key) -> State:
+    if not sampler.greedy:
+        s = prefill(m, params, prompt, n, B=B, capacity=capacity, max_new=max_new,
+                    eos_id=eos_id, sampler=sampler, key=key)
+        return jax.lax.cond(s.done, lambda s: s, lambda s: _draft_after_first(m, params, s, B, sampler), s)
     P = prompt.shape[0]
     call = layouts.first_call(prompt, n, B, m.mask_id)
     rows = jnp.concatenate([(n - 1)[None], P + 1 + jnp.arange(B - 1)])
@@ -42,3 +56,11 @@ def first_call(m: ForwardModel, params, prompt, n, *, B: int, capacity: int, max
     cache = _cache_prompt(m, kv, P, capacity, B)
     return start(m, cache, n, first, draft, B - 1, B=B, capacity=capacity, max_new=max_new,
                  eos_id=eos_id)
+
+
+def _draft_after_first(m, params, s: State, B: int, sampler: Sampler) -> State:
+    s, (k,) = split(s, 1, sampler)
+    call = layouts.draft_block(s.x, s.cache_len, B, m.mask_id)
+    logits, _ = run_call(m, params, call, s.cache, s.cache_len, out_rows=jnp.arange(1, B))
+    draft, q = propose(logits, sampler, m.mask_id, k)
+    return s.replace(draft=draft, draft_len=jnp.int32(B - 1), draft_q=q, nfe=s.nfe + 1)

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from .. import cache as cache_lib
+from .. import sampling
+from ..sampling import Sampler, StoredQ
 
 
 class ForwardModel(Protocol):
@@ -43,6 +45,8 @@ class State:
     hist: jax.Array        # [B+1]: hist[k] = iterations that emitted k tokens
     max_new: jax.Array
     eos_id: jax.Array      # -1: no EOS stopping
+    key: Any = None        # PRNG key (sampling only), threaded through the loop
+    draft_q: Any = None    # StoredQ of the draft (sampling only): what each d was drawn from
 
 
 def run_call(m: ForwardModel, params, call, cache, cache_len, out_rows=None):
@@ -71,6 +75,50 @@ def matched_prefix(draft, draft_len, verified):
     return jnp.sum(jnp.cumprod(ok.astype(jnp.int32))).astype(jnp.int32)
 
 
+def choose_first(logits, sampler: Sampler, key):
+    """The token after the prompt: argmax, or a draw from the target."""
+    if sampler.greedy:
+        return verifier_tokens(logits)
+    return sampling.sample_from(key, sampling.target(logits, sampler))
+
+
+def verify_draft(v_logits, draft, draft_len, q, sampler: Sampler, key):
+    """h and the accepted tokens C (C[:h] = accepted drafts, C[h] = correction or bonus).
+
+    v_logits[i] is the verifier row predicting the position of draft[i]. Greedy:
+    exact match against the argmax (Eq. 2). Sampling: Algorithm 2 against the stored Q.
+    """
+    if sampler.greedy:
+        v = verifier_tokens(v_logits)
+        return matched_prefix(draft, draft_len, v), v
+    return sampling.verify(key, sampling.target(v_logits, sampler), draft, draft_len, q)
+
+
+def propose(logits, sampler: Sampler, mask_id: int, key):
+    """Draft tokens from drafter rows, with their Q when sampling (None when greedy)."""
+    if sampler.greedy:
+        return drafter_tokens(logits, mask_id), None
+    q = sampling.proposal(logits, sampler, mask_id)
+    return q.sample(key), q
+
+
+def split(s: State, n: int, sampler: Sampler):
+    """n fresh keys for this step (None when greedy) and the state with the key advanced."""
+    if sampler.greedy:
+        return s, [None] * n
+    keys = jax.random.split(s.key, n + 1)
+    return s.replace(key=keys[0]), list(keys[1:])
+
+
+def empty_q(sampler: Sampler, width: int, vocab: int):
+    if sampler.greedy:
+        return None
+    k = sampler.store_size(vocab)
+    if k is None:
+        return StoredQ(jnp.zeros((width, vocab), jnp.float32))
+    return StoredQ(jnp.zeros((width, k), jnp.float32), jnp.zeros((width, k), jnp.int32))
+
+
 def emit(s: State, accepted, count) -> State:
     """Appends accepted[:a], a = min(count, tokens left, first EOS + 1) (Alg. 1, l. 7-8)."""
     k = jnp.arange(accepted.shape[0])
@@ -87,23 +135,26 @@ def emit(s: State, accepted, count) -> State:
                      iterations=s.iterations + 1, hist=s.hist.at[a].add(1))
 
 
-def advance(s: State, kv_rows, rows, accepted, count, next_x, draft, draft_len, calls: int) -> State:
+def advance(s: State, kv_rows, rows, accepted, count, next_x, draft, draft_len, calls: int,
+            draft_q=None) -> State:
     """Commits the first `count` candidate rows (x and the accepted drafts), makes the
-    correction/bonus token the next x, stores the next draft, and emits."""
+    correction/bonus token the next x, stores the next draft (and its Q), and emits."""
     cache = cache_lib.commit(s.cache, kv_rows, rows, s.cache_len)
     s = s.replace(cache=cache, cache_len=s.cache_len + count, x=next_x, draft=draft,
-                  draft_len=draft_len, nfe=s.nfe + calls)
+                  draft_len=draft_len, nfe=s.nfe + calls,
+                  draft_q=s.draft_q if draft_q is None else draft_q)
     return emit(s, accepted, count)
 
 
 def start(m: ForwardModel, cache, n, first, draft, draft_len, *, B: int, capacity: int,
-          max_new, eos_id) -> State:
+          max_new, eos_id, key=None, draft_q=None) -> State:
     """State after the first call: the prompt is cached, `first` is the first token."""
     s = State(cache=cache, cache_len=jnp.asarray(n, jnp.int32), x=first, draft=draft,
               draft_len=jnp.asarray(draft_len, jnp.int32),
               out=jnp.zeros(capacity, jnp.int32), n_out=jnp.int32(0), done=jnp.bool_(False),
               nfe=jnp.int32(1), iterations=jnp.int32(0), hist=jnp.zeros(B + 1, jnp.int32),
-              max_new=jnp.asarray(max_new, jnp.int32), eos_id=jnp.asarray(eos_id, jnp.int32))
+              max_new=jnp.asarray(max_new, jnp.int32), eos_id=jnp.asarray(eos_id, jnp.int32),
+              key=key, draft_q=draft_q)
     return emit(s, first[None], jnp.int32(1))
 
 

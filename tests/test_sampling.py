@@ -1,0 +1,230 @@
+"""Theorem 3.3: sampled continuations follow the AR distribution exactly.
+
+The exact joint law of the first tokens is enumerated from full causal forwards,
+with the tempered/truncated target computed here in NumPy (independently of the
+library). Each schedule draws N samples (the decode vmapped over seeds, fixed seeds)
+and a chi-square goodness-of-fit test must not reject at ALPHA. Continuations with an
+expected count below POOL are pooled into one cell. N is sized so that the test
+detects a total-variation error of 0.02 in the least favourable direction (mass moved
+proportionally out of the likeliest continuation) with power >= 0.85 (`test_power`).
+Negative controls, a wrong acceptance rule and a wrong residual, must be rejected by
+the same test.
+"""
+
+import itertools
+
+import numpy as np
+import pytest
+from scipy import stats
+
+import packed_ss_jax as ps
+from packed_ss_jax import engine, sampling
+from packed_ss_jax.sampling import Sampler
+from tiny import tiny_model
+
+ALPHA = 0.01
+POOL = 50
+N = 20_000
+PROMPT = [1, 2, 3]
+L = 3
+B = 3
+CAPACITY = 8
+SEED0 = 12_345
+MODEL = tiny_model(5, vocab=6)  # MASK = 5
+
+
+def np_target(logits, s: Sampler):
+    """Temperature, then top-k, then top-p (smallest prefix reaching p); NumPy."""
+    x = logits.astype(np.float64) / s.temperature
+    if s.top_k is not None:
+        cut = np.sort(x)[-s.top_k]
+        x = np.where(x >= cut, x, -np.inf)
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    if s.top_p is not None:
+        order = np.argsort(-p, kind="stable")
+        before = np.cumsum(p[order]) - p[order]
+        keep = np.zeros_like(p, bool)
+        keep[order[before < s.top_p]] = True
+        p = np.where(keep, p, 0.0)
+        p /= p.sum()
+    return p
+
+
+def exact_law(s: Sampler, eos=None):
+    """{continuation: probability} for AR sampling stopped at EOS or L tokens."""
+    V = MODEL.vocab_size
+    law = {}
+
+    def grow(seq, prob):
+        if len(seq) == L or (seq and seq[-1] == eos):
+            law[tuple(seq)] = law.get(tuple(seq), 0.0) + prob
+            return
+        full = PROMPT + seq
+        T = len(full)
+        logits = ps.logits(MODEL, full, np.arange(T), np.tril(np.ones((T, T), bool)))[-1]
+        p = np_target(logits, s)
+        for t in range(V):
+            if p[t] > 0:
+                grow(seq + [t], prob * p[t])
+
+    grow([], 1.0)
+    return law
+
+
+_DRAWN = {}
+
+
+def draw(schedule, s: Sampler, eos=None, seed0=SEED0):
+    key = (schedule, s, eos, seed0, sampling.accept_ratio, sampling.residual)
+    if key not in _DRAWN:
+        _DRAWN[key] = _draw(schedule, s, eos, seed0)
+    return _DRAWN[key]
+
+
+def _draw(schedule, s: Sampler, eos, seed0):
+    toks, n, nfe = engine.run_many(MODEL, MODEL.params, np.array(PROMPT, np.int32),
+                                   seed0 + np.arange(N), schedule=schedule,
+                                   block_size=1 if schedule == "ar" else B, max_new=L,
+                                   eos_id=eos, capacity=CAPACITY, sampler=s)
+    return [tuple(row[:k]) for row, k in zip(toks, n)]
+
+
+def chi_square(samples, law):
+    """p-value of the samples against the law; cells with expected count < 5 are pooled."""
+    keys = list(law)
+    probs = np.array([law[k] for k in keys])
+    counts = dict.fromkeys(keys, 0)
+    outside = 0
+    for x in samples:
+        if x in counts:
+            counts[x] += 1
+        else:
+            outside += 1  # an impossible continuation
+    if outside:
+        return 0.0
+    obs = np.array([counts[k] for k in keys], float)
+    exp = probs * len(samples)
+    small = exp < POOL
+    if small.any():
+        obs = np.append(obs[~small], obs[small].sum())
+        exp = np.append(exp[~small], exp[small].sum())
+    return float(stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
+
+
+SETTINGS = {
+    "T=1": (Sampler(1.0), None),
+    # truncation and the EOS stop rule together (each setting is one compile per schedule)
+    "T=0.8,top_k=4,top_p=0.9,eos=0": (Sampler(0.8, top_k=4, top_p=0.9), 0),
+}
+CASES = [(sched, name) for name in SETTINGS for sched in ["ar", "linear", "quadratic", "packed"]
+         if name == "T=1" or sched != "ar"]
+
+
+@pytest.fixture(scope="module")
+def laws():
+    return {name: exact_law(s, eos) for name, (s, eos) in SETTINGS.items()}
+
+
+P_VALUES = {}
+
+
+@pytest.mark.parametrize("schedule,setting", CASES)
+def test_follows_ar_distribution(laws, schedule, setting):
+    s, eos = SETTINGS[setting]
+    if eos is not None:
+        assert any(len(k) < L for k in laws[setting])  # the stop rule really acts
+    p = chi_square(draw(schedule, s, eos), laws[setting])
+    P_VALUES[(schedule, setting)] = p
+    print(f"chi-square p-value {schedule:9s} {setting}: {p:.4f}")
+    assert p > ALPHA
+
+
+@pytest.mark.parametrize("broken", ["always_accept", "residual_from_p"])
+def test_wrong_rules_are_caught(laws, monkeypatch, broken):
+    if broken == "always_accept":
+        monkeypatch.setattr(sampling, "accept_ratio", lambda p_d, q_d: 1.0 + 0.0 * p_d)
+    else:
+        monkeypatch.setattr(sampling, "residual", lambda p_row, q_row: p_row)
+    engine.clear_cache()  # retrace with the broken rule
+    try:
+        p = chi_square(draw("packed", SETTINGS["T=1"][0]), laws["T=1"])
+    finally:
+        engine.clear_cache()
+    print(f"negative control {broken}: p-value {p:.3g}")
+    assert p < ALPHA
+
+
+def test_power(laws):
+    """The test detects a law at total-variation distance 0.02 from the true one."""
+    law = laws["T=1"]
+    keys = sorted(law, key=law.get)
+    shifted = dict(law)
+    move = 0.02
+    big, smalls = keys[-1], keys[:-1]
+    shifted[big] -= move  # move 0.02 of mass from the likeliest continuation to the rest
+    total_small = sum(law[k] for k in smalls)
+    for k in smalls:
+        shifted[k] += move * law[k] / total_small
+    rng = np.random.default_rng(0)
+    rejections = 0
+    for _ in range(20):
+        idx = rng.choice(len(keys), size=N, p=np.array([shifted[k] for k in keys]))
+        rejections += chi_square([keys[i] for i in idx], law) < ALPHA
+    print(f"power against a TV shift of 0.02: {rejections}/20 rejected")
+    assert rejections >= 17
+
+
+def test_seed_reproduces_and_batch_matches_single(laws):
+    s = Sampler(1.0)
+    seeds = np.arange(N) + SEED0
+    batch = draw("packed", s)
+    for i in [0, 1, 7]:
+        one = ps.decode(MODEL, PROMPT, schedule="packed", block_size=B, max_new_tokens=L,
+                        eos_id=None, temperature=1.0, seed=int(seeds[i]), cache_size=CAPACITY)
+        again = ps.decode(MODEL, PROMPT, schedule="packed", block_size=B, max_new_tokens=L,
+                          eos_id=None, temperature=1.0, seed=int(seeds[i]), cache_size=CAPACITY)
+        assert tuple(one.tokens) == batch[i] == tuple(again.tokens)
+    engine.clear_cache()  # recompiling changes nothing
+    three = ps.decode(MODEL, PROMPT, schedule="packed", block_size=B, max_new_tokens=L,
+                      eos_id=None, temperature=1.0, seed=int(seeds[0]), cache_size=CAPACITY)
+    assert tuple(three.tokens) == batch[0]
+    assert len(set(batch[:200])) > 20  # different seeds, different samples
+
+
+@pytest.mark.parametrize("schedule", ["ar", "linear", "quadratic", "packed"])
+def test_temperature_zero_is_greedy(nemotron, nemotron_ref, schedule):
+    want = nemotron_ref["greedy_continuation"][:20].tolist()
+    for kw in [dict(), dict(top_k=5), dict(top_p=0.3), dict(top_k=2, top_p=0.5, seed=9)]:
+        r = ps.decode(nemotron, nemotron_ref["greedy_prompt"].tolist(), schedule=schedule,
+                      block_size=5, max_new_tokens=20, eos_id=None, temperature=0.0, **kw)
+        assert r.tokens == want
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(temperature=-0.1), "temperature must be a finite number >= 0"),
+    (dict(temperature=float("nan")), "temperature must be a finite number >= 0"),
+    (dict(temperature=1.0, top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(temperature=1.0, top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(temperature=1.0, top_k=0), "top_k must be an integer >= 1"),
+    (dict(temperature=1.0, seed=-1), "seed must be an integer"),
+])
+def test_bad_sampling_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ps.decode(MODEL, PROMPT, max_new_tokens=2, **kwargs)
+
+
+def test_stored_q_storage_is_truncated():
+    """With top-k the state carries k entries per draft position, not a vocabulary row."""
+    import jax.numpy as jnp
+
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 50)), jnp.float32)
+    q = sampling.proposal(logits, Sampler(1.0, top_k=5), mask_id=49)
+    assert q.probs.shape == (4, 5) and q.ids.shape == (4, 5)
+    np.testing.assert_allclose(np.asarray(q.probs).sum(-1), 1.0, rtol=1e-6)
+    assert 49 not in np.asarray(q.ids)
+    dense = sampling.proposal(logits, Sampler(1.0), mask_id=49)
+    assert dense.ids is None and dense.probs.shape == (4, 50)
+    nucleus = sampling.proposal(logits, Sampler(1.0, top_p=0.5), mask_id=49)
+    assert nucleus.probs.shape == (4, sampling.TOP_P_STORE) if 50 > sampling.TOP_P_STORE \
+        else nucleus.probs.shape == (4, 50)
