@@ -171,10 +171,15 @@ def test_maximum_rows_per_call(w, linear, quadratic, packed):
     """App. F.5: maximum rows/call (u = W, p = 1) for W = 8 and 16."""
     full = Window(np.arange(w), np.ones(w, bool), np.ones(w, bool))
     args = (10, 5, 0, 1, full)
-    assert layouts.packed(*args, np.zeros(w, np.int32), MASK).tokens.shape[0] == packed
-    assert layouts.quadratic(*args, np.zeros(w, np.int32), MASK).tokens.shape[0] == quadratic
-    assert max(layouts.draft(*args, MASK).tokens.shape[0],
-               layouts.verify(10, full, np.zeros(w, np.int32), MASK).tokens.shape[0]) == linear
+    d = np.zeros(w, np.int32)
+
+    def rows(f):  # shapes only: nothing is computed
+        return jax.eval_shape(f).tokens.shape[0]
+
+    assert rows(lambda: layouts.packed(*args, d, MASK)) == packed
+    assert rows(lambda: layouts.quadratic(*args, d, MASK)) == quadratic
+    assert max(rows(lambda: layouts.draft(*args, MASK)),
+               rows(lambda: layouts.verify(10, full, d, MASK))) == linear
 
 
 # --- compile once ------------------------------------------------------------------------------
@@ -219,9 +224,25 @@ def test_sampling_is_refused():
 
 
 def test_setdlm_arguments_are_refused_for_nemotron():
-    from tiny import tiny_model
+    from tiny import tiny_config
 
+    nemotron = Model(config=tiny_config(), params=None)  # refused before any computation
     with pytest.raises(ValueError, match="SetDLM models only"):
-        ps.decode(tiny_model(0), [1, 2, 3], window=4)
+        ps.decode(nemotron, [1, 2, 3], window=4)
     with pytest.raises(ValueError, match="SetDLM models only"):
-        ps.decode(tiny_model(0), [1, 2, 3], stop_sequences=[[2, 3]])
+        ps.decode(nemotron, [1, 2, 3], stop_sequences=[[2, 3]])
+
+
+# Cases where a step accepts positions past a marker that ends earlier while earlier
+# positions are still unresolved: those entries must leave the context (Alg. 3 line 12)
+# for the remaining calls. Found by search: in each the output changes if they stay.
+PAST_THE_END = [(26, [5], [2]), (0, [9], [4]), (38, [5, 7, 4, 4], [4])]
+
+
+@pytest.mark.parametrize("seed,prompt,marker", PAST_THE_END)
+def test_entries_past_the_end_leave_the_context(seed, prompt, marker):
+    r = ps.decode(tiny_setdlm(seed), prompt, schedule="native", window=W, max_new_tokens=16,
+                  stop_sequences=[marker], eos_id=None, cache_size=CACHE)
+    want, nfe = native(tiny_setdlm(seed), prompt, 16, [marker], W)
+    assert (r.tokens, r.nfe) == (want, nfe)
+    assert len(r.tokens) < 16 and r.tokens[-1] == marker[-1]

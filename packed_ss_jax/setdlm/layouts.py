@@ -112,7 +112,7 @@ def step(n, c_tok, c_out, c_n, w: Window, mask_id: int) -> Call:
     seeing every new clean row and itself (the release's inference step)."""
     W = w.out.shape[0]
     live = jnp.arange(c_tok.shape[0]) < c_n
-    clean = jnp.tril(jnp.ones((W, W), bool)) & live[None, :] | jnp.eye(W, dtype=bool)
+    clean = jnp.tril(jnp.ones((W, W), bool)) & live[None, :] & live[:, None] | jnp.eye(W, dtype=bool)
     sees_c = w.active[:, None] & live[None, :]
     mask = jnp.concatenate([jnp.concatenate([clean, jnp.zeros((W, W), bool)], axis=1),
                             jnp.concatenate([sees_c, jnp.eye(W, dtype=bool)], axis=1)])
