@@ -1,0 +1,261 @@
+"""`packed-ss bench`: the paper's measurements for chosen schedules on one task.
+
+Batch size 1, one prompt at a time. Per schedule: tokens (total, mean), decoder wall
+time, NFE, tokens/NFE, time/NFE, throughput (total tokens / total wall), the split of
+wall time into model execution and non-model decoder work, the accepted-length
+histogram and task accuracy. Packed-SS is compared with each baseline by paired
+bootstrap intervals over prompts (same resampled indices for every method).
+Compilation is excluded: every program is compiled before it is timed (AOT), and each
+schedule is warmed up on the first prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import stats, tasks, timing
+
+SCHEDULES = ("ar", "linear", "quadratic", "packed")
+
+
+def parse_block_sizes(spec: str | None, schedules) -> dict[str, int | None]:
+    """'16' for all, or 'packed=32,linear=32,quadratic=8'."""
+    out = {s: None for s in schedules}
+    if not spec:
+        return out
+    if "=" not in spec:
+        return {s: int(spec) for s in schedules}
+    for part in spec.split(","):
+        name, _, value = part.partition("=")
+        if name not in out:
+            raise ValueError(f"--block-size names {name!r}, which is not among --schedules")
+        out[name] = int(value)
+    return out
+
+
+def run(model, prompts, schedules, block_sizes, *, temperature=0.0, seed=0,
+        max_new_tokens=None, progress=True) -> dict:
+    import packed_ss_jax as ps
+    from packed_ss_jax import engine
+
+    per = {s: {"tokens": [], "wall_s": [], "nfe": [], "iterations": [], "model_s": [],
+               "correct": [], "hist": None} for s in schedules}
+    greedy = temperature == 0
+    capacity = cache_size_for(model, prompts, max_new_tokens)
+
+    def one(s, p, i):
+        B = block_sizes[s] or model.config.block_size
+        return ps.decode(model, p.text, schedule=s, block_size=B,
+                         max_new_tokens=max_new_tokens or p.max_new_tokens,
+                         eos_id=-1 if p.stop_at_eos else None, temperature=temperature,
+                         seed=seed + i, cache_size=capacity)
+
+    for s in schedules:  # warm-up: compile, and run once, outside the measurements
+        one(s, prompts[0], 0)
+    t0 = time.monotonic()
+    for i, p in enumerate(prompts):
+        for s in schedules:
+            r = one(s, p, i)
+            d = per[s]
+            d["tokens"].append(len(r.tokens))
+            d["wall_s"].append(r.wall_s)
+            d["nfe"].append(r.nfe)
+            d["iterations"].append(r.iterations)
+            d["hist"] = r.accept_hist if d["hist"] is None else d["hist"] + r.accept_hist
+            costs = timing.call_costs(model, s, r.block_size, engine.bucket_for(r.prompt_len, capacity),
+                                      capacity)
+            d["model_s"].append(timing.model_time(
+                costs, timing.call_counts(s, r.nfe, r.iterations, greedy)))
+            if p.score is not None:
+                d["correct"].append(bool(p.score(r.text if r.text is not None else "")))
+        if progress:
+            sys.stderr.write(f"\rprompts {i + 1}/{len(prompts)} ({time.monotonic() - t0:.0f}s)")
+            sys.stderr.flush()
+    if progress:
+        sys.stderr.write("\n")
+    return per
+
+
+def cache_size_for(model, prompts, max_new_tokens=None) -> int:
+    """One cache size for the whole task: the longest prompt plus its output cap, rounded
+    up to a power of two (every call attends over the whole buffer, so size it to the task)."""
+    need = 0
+    for p in prompts:
+        n = len(model.tokenizer.encode(p.text).ids) if model.tokenizer is not None else len(p.text)
+        need = max(need, n + (max_new_tokens or p.max_new_tokens))
+    size = 64
+    while size < need:
+        size *= 2
+    return size
+
+
+def summarize(model_name: str, task: str, per: dict, block_sizes, config_block: int,
+              resamples: int = stats.RESAMPLES) -> dict:
+    n = len(next(iter(per.values()))["tokens"])
+    results = {}
+    for s, d in per.items():
+        tokens, wall, nfe = (np.asarray(d[k], float) for k in ("tokens", "wall_s", "nfe"))
+        model_s = float(np.sum(d["model_s"]))
+        results[s] = {
+            "block_size": None if s == "ar" else (block_sizes[s] or config_block),
+            "tokens": int(tokens.sum()), "mean_tokens": float(tokens.mean()),
+            "wall_s": float(wall.sum()), "nfe": int(nfe.sum()),
+            "tokens_per_nfe": float(tokens.sum() / nfe.sum()),
+            "time_per_nfe_ms": float(1e3 * wall.sum() / nfe.sum()),
+            "throughput_tok_s": float(tokens.sum() / wall.sum()),
+            "model_time_s": model_s,
+            "non_model_time_s": float(wall.sum() - model_s),
+            "non_model_fraction": float(1 - model_s / wall.sum()),
+            "accept_hist": [int(x) for x in d["hist"]],
+            "accuracy": float(np.mean(d["correct"])) if d["correct"] else None,
+        }
+    idx = stats.resample_indices(n, resamples)
+    paired, figure3 = {}, {}
+    if "packed" in per:
+        for s in per:
+            if s != "packed":
+                paired[f"packed_vs_{s}"] = stats.paired(per["packed"], per[s], idx)
+    if "linear" in per:
+        figure3 = {s: stats.ratio_to(per[s], per["linear"], idx) for s in per}
+    return {"model": model_name, "task": task, "n_prompts": n, "results": results,
+            "paired": paired, "ratios_to_linear": figure3, "bootstrap_resamples": resamples,
+            "warmup": "each schedule decoded the first prompt once before timing; "
+                      "compilation is ahead of time and never inside wall_s",
+            "per_prompt": {s: {k: d[k] for k in ("tokens", "wall_s", "nfe")} for s, d in per.items()}}
+
+
+def markdown(summary: dict) -> str:
+    rows = ["| schedule | B | tokens | mean tokens | wall (s) | NFE | tokens/NFE | time/NFE (ms) "
+            "| throughput (tok/s) | non-model time | accuracy |",
+            "|" + "---|" * 11]
+    for s, r in summary["results"].items():
+        acc = "-" if r["accuracy"] is None else f"{100 * r['accuracy']:.1f}%"
+        rows.append(f"| {s} | {r['block_size'] or '-'} | {r['tokens']} | {r['mean_tokens']:.1f} | "
+                    f"{r['wall_s']:.2f} | {r['nfe']} | {r['tokens_per_nfe']:.2f} | "
+                    f"{r['time_per_nfe_ms']:.2f} | {r['throughput_tok_s']:.1f} | "
+                    f"{100 * r['non_model_fraction']:.1f}% | {acc} |")
+    if summary["paired"]:
+        rows += ["", "| Packed-SS vs | throughput ratio [95% CI] | wall diff per prompt (s) [95% CI] |",
+                 "|---|---|---|"]
+        for name, p in summary["paired"].items():
+            lo, hi = p["throughput_ratio_ci95"]
+            dlo, dhi = p["wall_diff_ci95"]
+            rows.append(f"| {name.removeprefix('packed_vs_')} | {p['throughput_ratio']:.3f} "
+                        f"[{lo:.3f}, {hi:.3f}] | {p['wall_diff_s']:+.4f} [{dlo:+.4f}, {dhi:+.4f}] |")
+    hist = ["", "accepted tokens per iteration (histogram, index = tokens):"]
+    for s, r in summary["results"].items():
+        hist.append(f"  {s}: {r['accept_hist']}")
+    return "\n".join(rows + hist)
+
+
+def plot(summary: dict, path: str) -> None:
+    """Figure 3: throughput, tokens/NFE and time/NFE as ratios to Linear-SS, 95% error bars."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
+    ratios = summary["ratios_to_linear"]
+    if not ratios:
+        raise SystemExit("--plot needs linear among --schedules (ratios are to Linear-SS)")
+    names = list(ratios)
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
+    for ax, (metric, title) in zip(axes, [("throughput", "throughput"),
+                                          ("tokens_per_nfe", "tokens / NFE"),
+                                          ("time_per_nfe", "time / NFE")]):
+        vals = [ratios[s][metric]["ratio"] for s in names]
+        lo = [v - ratios[s][metric]["ci95"][0] for s, v in zip(names, vals)]
+        hi = [ratios[s][metric]["ci95"][1] - v for s, v in zip(names, vals)]
+        ax.bar(names, vals, yerr=[lo, hi], capsize=4,
+               color=["#888" if s != "packed" else "#c44" for s in names])
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_title(f"{title} (ratio to Linear-SS)")
+    fig.suptitle(f"{summary['model']} · {summary['task']} · n={summary['n_prompts']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def profile(model, prompt, schedules, block_sizes, out_dir: str, max_new: int = 32) -> None:
+    """A jax.profiler trace of a few decode iterations per schedule, and each schedule's
+    optimised HLO (the whole compiled decode program: first call plus while_loop step)."""
+    import jax
+
+    import packed_ss_jax as ps
+    from packed_ss_jax import engine
+
+    out = Path(out_dir)
+    (out / "hlo").mkdir(parents=True, exist_ok=True)
+    for s in schedules:
+        ps.decode(model, prompt, schedule=s, block_size=block_sizes[s], max_new_tokens=max_new)
+    with jax.profiler.trace(str(out / "trace")):
+        for s in schedules:
+            with jax.profiler.TraceAnnotation(f"decode {s}"):
+                ps.decode(model, prompt, schedule=s, block_size=block_sizes[s],
+                          max_new_tokens=max_new)
+    for (key, program), exe in engine._compiled.items():
+        if key != model.key or not hasattr(exe, "as_text"):
+            continue
+        name = f"{program.schedule}_B{program.block_size}_bucket{program.bucket}.hlo.txt"
+        (out / "hlo" / name).write_text(exe.as_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="packed-ss bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    p.add_argument("--task", default="arithmetic",
+                   help=f"one of {sorted(tasks.OFFLINE_TASKS) + sorted(tasks.FILE_TASKS)}")
+    p.add_argument("--data", help="local task file in its public jsonl format (paper tasks)")
+    p.add_argument("--schedules", default=",".join(SCHEDULES))
+    p.add_argument("--block-size", help="B for all, or per schedule: packed=32,linear=32,quadratic=8")
+    p.add_argument("--limit", type=int, default=None, help="first N prompts (offline tasks: 100)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="override the task's output cap")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resamples", type=int, default=stats.RESAMPLES)
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--plot", help="write Figure 3 (ratios to Linear-SS) here (PNG)")
+    p.add_argument("--profile", help="write a jax.profiler trace and optimised HLO here")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    args = p.parse_args(argv)
+
+    import packed_ss_jax as ps
+
+    schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    bad = [s for s in schedules if s not in SCHEDULES]
+    if bad or not schedules:
+        p.error(f"--schedules: unknown {bad}; choose from {list(SCHEDULES)}")
+    try:
+        block_sizes = parse_block_sizes(args.block_size, schedules)
+        model = ps.load(args.model, dtype=args.dtype) if args.model else ps.load(dtype=args.dtype)
+        prompts = tasks.load(args.task, args.data, args.limit)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"packed-ss bench: error: {e}", file=sys.stderr)
+        return 2
+    name = args.model or "embedded"
+    print(f"{name}: {len(prompts)} {args.task} prompts, schedules {schedules}, "
+          f"temperature {args.temperature}", file=sys.stderr)
+    per = run(model, prompts, schedules, block_sizes, temperature=args.temperature, seed=args.seed,
+              max_new_tokens=args.max_new_tokens)
+    summary = summarize(name, args.task, per, block_sizes, model.config.block_size, args.resamples)
+    summary["temperature"] = args.temperature
+    print(markdown(summary))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    if args.plot:
+        plot(summary, args.plot)
+    if args.profile:
+        profile(model, prompts[0].text, schedules,
+                {s: block_sizes[s] or model.config.block_size for s in schedules}, args.profile)
+        print(f"profile written to {args.profile}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+#!/usr/bin/env python
+"""Time per call of each schedule's row buffer on Nemotron 3B/8B shapes (random bf16 weights).
+
+For every model shape, cache length and row count (AR: 1; Linear-SS and Packed-SS: 2B;
+Quadratic-SS: B(B+1)), the jitted forward is run REPEAT times inside one XLA loop and
+the time per call is reported next to the weight-streaming bound (parameter bytes /
+memory bandwidth): at batch size 1 a call can't be faster than reading every weight once.
+
+    python benchmarks/gpu_timing.py                  # 3B and 8B, B=32 (Q-SS B=8), ~5 min on an H200
+    python benchmarks/gpu_timing.py --smoke          # tiny shapes: checks the script on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from packed_ss_jax import layouts
+from packed_ss_jax import model as model_lib
+from packed_ss_jax.config import ModelConfig
+
+# Peak HBM bandwidth, bytes/s, by device kind substring.
+BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L40": 0.86e12}
+
+SHAPES = {
+    "3B": dict(hidden_size=3072, num_layers=26, num_heads=32, num_kv_heads=8, head_dim=128,
+               intermediate_size=9216, vocab_size=131072),
+    "8B": dict(hidden_size=4096, num_layers=34, num_heads=32, num_kv_heads=8, head_dim=128,
+               intermediate_size=14336, vocab_size=131072),
+    "smoke": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                  intermediate_size=128, vocab_size=512),
+}
+
+
+def config(shape: str, dtype: str) -> ModelConfig:
+    return ModelConfig(family="nemotron", rms_norm_eps=1e-5, mask_token_id=100, block_size=32,
+                       max_position_embeddings=262144, rope_theta=1e6, rope_type="yarn",
+                       rope_factor=16.0, rope_original_max_position=16384,
+                       llama4_scaling_beta=0.1, dtype=dtype, **SHAPES[shape])
+
+
+def calls(B: int, Bq: int, mask_id: int):
+    """(schedule, call layout, logits rows) as the engine makes them (tokens are arbitrary)."""
+    x, c = jnp.int32(1), jnp.int32(0)
+    d = jnp.full(B - 1, 2, jnp.int32)
+    dq = jnp.full(Bq - 1, 2, jnp.int32)
+    return [
+        ("ar (1 row)", layouts.single(x, c), None),
+        (f"linear draft ({B} rows)", layouts.draft_block(x, c, B, mask_id), jnp.arange(1, B)),
+        (f"linear verify ({B} rows)", layouts.verify(x, d, c), None),
+        (f"packed ({2 * B} rows)", layouts.packed(x, d, c, mask_id),
+         jnp.concatenate([jnp.arange(B), B + 1 + jnp.arange(B - 1)])),
+        (f"quadratic ({Bq * (Bq + 1)} rows, B={Bq})", layouts.quadratic(x, dq, c, mask_id), None),
+    ]
+
+
+def time_call(c: ModelConfig, params, call, out_rows, cache_len: int, repeat: int) -> float:
+    cache = model_lib.empty_cache(c, cache_len + 128)
+
+    @jax.jit
+    def run(params, tokens, cache, n):
+        def body(i, carry):
+            tokens, acc = carry
+            logits, _ = model_lib.forward(c, params, tokens, call.positions + n, call.mask, cache,
+                                          n, call.draft_rows, out_rows)
+            flag = (logits[0, 0] > 1e30).astype(jnp.int32)  # a dependency: no hoisting
+            return tokens.at[0].add(flag), acc + logits[0, 0]
+        return jax.lax.fori_loop(0, repeat, body, (tokens, jnp.float32(0)))
+
+    args = (params, call.tokens, cache, jnp.int32(cache_len))
+    jax.block_until_ready(run(*args))
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(*args))
+        best = min(best, (time.perf_counter() - t0) / repeat)
+    return best
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="3B,8B")
+    p.add_argument("--cache-lengths", default="1024,4096",
+                   help="KV buffer sizes (every call attends over the whole buffer)")
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--quadratic-block-size", type=int, default=8)
+    p.add_argument("--repeat", type=int, default=20)
+    p.add_argument("--dtype", default=None, help="default bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--bandwidth", type=float, default=None, help="bytes/s (default: by device)")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, for a CPU check")
+    args = p.parse_args(argv)
+    dev = jax.devices()[0]
+    kind = getattr(dev, "device_kind", dev.platform)
+    dtype = args.dtype or ("bfloat16" if dev.platform == "gpu" else "float32")
+    bw = args.bandwidth or next((v for k, v in BANDWIDTH.items() if k in kind), None)
+    shapes = ["smoke"] if args.smoke else args.shapes.split(",")
+    lengths = [int(x) for x in args.cache_lengths.split(",")]
+    if args.smoke:
+        lengths = [64, 256]
+    print(f"device: {kind}, dtype {dtype}, peak bandwidth "
+          f"{'unknown' if bw is None else f'{bw / 1e12:.2f} TB/s'}")
+    print("| model | call | cache | ms / call | bound (ms) | call / bound |")
+    print("|---|---|---|---|---|---|")
+    t_start = time.monotonic()
+    for shape in shapes:
+        c = config(shape, dtype)
+        params = model_lib.init_params(c, jax.random.PRNGKey(0))
+        nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+        bound = nbytes / bw if bw else float("nan")
+        for L in lengths:
+            for name, call, rows in calls(args.block_size if not args.smoke else 4,
+                                          args.quadratic_block_size if not args.smoke else 3,
+                                          c.mask_token_id):
+                t = time_call(c, params, call, rows, L, args.repeat)
+                print(f"| {shape} ({nbytes / 1e9:.1f} GB) | {name} | {L} | {1e3 * t:.3f} | "
+                      f"{1e3 * bound:.3f} | {t / bound:.2f} |", flush=True)
+        del params
+    print(f"\ntotal {time.monotonic() - t_start:.0f}s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Benchmark statistics, scorers, task loaders, the time split and a small end-to-end run."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks import bench, scoring, stats, tasks, timing
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_bootstrap_exact_ratio():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(50, 200, size=40)
+    wall = rng.uniform(0.5, 2.0, size=40)
+    base = {"tokens": tokens, "wall_s": wall, "nfe": tokens}
+    faster = {"tokens": tokens, "wall_s": wall / 2, "nfe": tokens // 2 + 1}
+    idx = stats.resample_indices(40, 2000)
+    p = stats.paired(faster, base, idx)
+    assert p["throughput_ratio"] == pytest.approx(2.0)
+    assert p["throughput_ratio_ci95"] == pytest.approx([2.0, 2.0])
+    assert p["wall_diff_s"] == pytest.approx(-wall.mean() / 2)
+    same = stats.paired(base, base, idx)
+    assert same["throughput_ratio_ci95"] == pytest.approx([1.0, 1.0])
+    assert same["wall_diff_ci95"] == pytest.approx([0.0, 0.0])
+
+
+def test_bootstrap_noisy_ratio_covers_truth():
+    rng = np.random.default_rng(1)
+    n = 200
+    tokens = rng.integers(50, 200, size=n).astype(float)
+    wall_b = tokens / 100 * rng.lognormal(0, 0.3, n)
+    wall_a = tokens / 150 * rng.lognormal(0, 0.3, n)  # true throughput ratio 1.5
+    idx = stats.resample_indices(n, 5000)
+    p = stats.paired({"tokens": tokens, "wall_s": wall_a}, {"tokens": tokens, "wall_s": wall_b}, idx)
+    lo, hi = p["throughput_ratio_ci95"]
+    assert lo < 1.5 < hi and hi - lo < 0.3
+    assert lo > 1.2  # and clearly above 1
+
+
+def test_resamples_are_shared_and_sized():
+    idx = stats.resample_indices(7)
+    assert idx.shape == (20_000, 7) and idx.min() >= 0 and idx.max() < 7
+
+
+@pytest.mark.parametrize("text,ref,ok", [
+    ("so she has 72 clips.\n#### 72", "... #### 72", True),
+    ("The answer is \\boxed{1,000}.", "1000", True),
+    ("she earned $10.00 in total", 10, True),
+    ("#### 71", "72", False),
+    ("no number here", "3", False),
+])
+def test_numeric_match(text, ref, ok):
+    assert scoring.numeric_match(text, ref) is ok
+
+
+@pytest.mark.parametrize("text,ref,ok", [
+    ("thus \\boxed{\\frac{1}{2}}", "\\frac{1}{2}", True),
+    ("\\boxed{\\left( 3, \\dfrac{\\pi}{2} \\right)}", "\\left( 3, \\frac{\\pi}{2} \\right)", True),
+    ("\\boxed{5} then \\boxed{6}", "6", True),
+    ("\\boxed{\\text{(B)}}", "(B)", True),
+    ("\\boxed{5}", "6", False),
+    ("the answer is 6", "6", False),
+])
+def test_boxed_match(text, ref, ok):
+    assert scoring.boxed_match(text, ref) is ok
+
+
+def test_run_tests_pass_fail_timeout():
+    assert scoring.run_tests("assert 1 + 1 == 2\n")
+    assert not scoring.run_tests("assert 1 + 1 == 3\n")
+    assert not scoring.run_tests("while True:\n    pass\n", timeout_s=1.0)
+
+
+def test_loaders_read_public_formats():
+    g = tasks.gsm8k(DATA / "gsm8k.jsonl")
+    assert len(g) == 2 and g[0].max_new_tokens == 1024
+    assert g[0].score("... so \\boxed{72}") and not g[0].score("\\boxed{71}")
+    m = tasks.math500(DATA / "math500.jsonl")
+    assert m[0].id == "test/precalculus/807.json"
+    assert m[0].score("\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}")
+    h = tasks.humaneval(DATA / "humaneval.jsonl")
+    assert h[0].max_new_tokens == 512
+    assert h[0].score("    return a + b\n") and not h[0].score("    return a - b\n")
+    b = tasks.mbpp(DATA / "mbpp.jsonl")
+    assert "assert set(similar_elements" in b[0].text  # visible tests in the prompt
+    assert b[0].score("def similar_elements(a, b):\n    return tuple(set(a) & set(b))\n```")
+    assert not b[0].score("def similar_elements(a, b):\n    return ()\n")
+    w = tasks.writingbench(DATA / "writingbench.jsonl")
+    assert len(w) == 1 and w[0].score is None  # English only, speed only
+
+
+def test_loader_errors(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        tasks.gsm8k(tmp_path / "none.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"q": 1}\n')
+    with pytest.raises(ValueError, match=r"lacks \['question', 'answer'\]"):
+        tasks.gsm8k(bad)
+    with pytest.raises(ValueError, match="pass --data"):
+        tasks.load("gsm8k", None, None)
+    with pytest.raises(ValueError, match="unknown task"):
+        tasks.load("nope", None, None)
+
+
+def test_call_counts():
+    assert timing.call_counts("ar", 10, 10, True) == {"prefill": 1, "single": 9}
+    assert timing.call_counts("linear", 7, 4, True) == {"prefill": 1, "draft": 3, "verify": 3}
+    assert timing.call_counts("packed", 6, 6, True) == {"first_call": 1, "packed": 5}
+    assert timing.call_counts("packed", 7, 6, False) == {"prefill": 1, "draft": 1, "packed": 5}
+
+
+def test_block_size_spec():
+    assert bench.parse_block_sizes("8", ["ar", "packed"]) == {"ar": 8, "packed": 8}
+    assert bench.parse_block_sizes("packed=16,linear=4", ["linear", "packed"]) == \
+        {"linear": 4, "packed": 16}
+    with pytest.raises(ValueError, match="not among"):
+        bench.parse_block_sizes("quadratic=4", ["packed"])
+
+
+def test_end_to_end_small(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    plot = tmp_path / "fig3.png"
+    rc = bench.main(["--task", "arithmetic", "--limit", "3", "--schedules", "linear,packed",
+                     "--block-size", "4", "--max-new-tokens", "12", "--resamples", "500",
+                     "--json", str(out), "--plot", str(plot)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["n_prompts"] == 3 and set(r["results"]) == {"linear", "packed"}
+    for s, m in r["results"].items():
+        assert {"tokens", "wall_s", "nfe", "tokens_per_nfe", "time_per_nfe_ms", "throughput_tok_s",
+                "model_time_s", "accuracy"} <= set(m)
+        assert m["tokens"] == sum(r["per_prompt"][s]["tokens"])
+        assert sum(k * c for k, c in enumerate(m["accept_hist"])) == m["tokens"]
+    p = r["paired"]["packed_vs_linear"]
+    assert p["throughput_ratio_ci95"][0] <= p["throughput_ratio"] <= p["throughput_ratio_ci95"][1]
+    assert plot.stat().st_size > 1000
+    assert "| packed |" in capsys.readouterr().out
