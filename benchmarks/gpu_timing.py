@@ -13,13 +13,14 @@ memory bandwidth): at batch size 1 a call can't be faster than reading every wei
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from benchmarks.timing import time_forward
 from packed_ss_jax import layouts
 from packed_ss_jax import model as model_lib
 from packed_ss_jax.config import ModelConfig
@@ -61,25 +62,9 @@ def calls(B: int, Bq: int, mask_id: int):
 
 def time_call(c: ModelConfig, params, call, out_rows, cache_len: int, repeat: int) -> float:
     cache = model_lib.empty_cache(c, cache_len + 128)
-
-    @jax.jit
-    def run(params, tokens, cache, n):
-        def body(i, carry):
-            tokens, acc = carry
-            logits, _ = model_lib.forward(c, params, tokens, call.positions + n, call.mask, cache,
-                                          n, call.draft_rows, out_rows)
-            flag = (logits[0, 0] > 1e30).astype(jnp.int32)  # a dependency: no hoisting
-            return tokens.at[0].add(flag), acc + logits[0, 0]
-        return jax.lax.fori_loop(0, repeat, body, (tokens, jnp.float32(0)))
-
-    args = (params, call.tokens, cache, jnp.int32(cache_len))
-    jax.block_until_ready(run(*args))
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(*args))
-        best = min(best, (time.perf_counter() - t0) / repeat)
-    return best
+    call = call._replace(positions=call.positions + cache_len)
+    return time_forward(functools.partial(model_lib.forward, c), params, call, cache, cache_len,
+                        out_rows, repeat)
 
 
 def main(argv=None) -> int:

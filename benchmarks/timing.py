@@ -46,27 +46,28 @@ def _calls(model, schedule: str, B: int, bucket: int, capacity: int):
     return {k: calls[k] for k in wanted}
 
 
-def _time_call(model, call, slots: int, out_rows) -> float:
-    cache = model.empty_cache(slots)
+def time_forward(forward, params, call, cache, cache_len, out_rows, repeat: int = REPEAT) -> float:
+    """Seconds per call of `forward` on one layout: `repeat` calls inside one jitted loop,
+    best of three. Each call's input depends on the previous output, so XLA cannot hoist
+    the call out of the loop."""
 
     @jax.jit
-    def repeat(params, tokens, cache, cache_len):
+    def run(params, tokens, cache, cache_len):
         def body(i, carry):
             tokens, acc = carry
-            logits, kv = model.forward(params, tokens, call.positions, call.mask, cache,
-                                       cache_len, call.draft_rows, out_rows)
-            # Feed a result back into the next call's input so the loop cannot be hoisted.
+            logits, _ = forward(params, tokens, call.positions, call.mask, cache, cache_len,
+                                call.draft_rows, out_rows)
             flag = (logits[0, 0] > 1e30).astype(jnp.int32)
             return tokens.at[0].add(flag), acc + logits[0, 0]
-        return jax.lax.fori_loop(0, REPEAT, body, (tokens, jnp.float32(0)))
+        return jax.lax.fori_loop(0, repeat, body, (tokens, jnp.float32(0)))
 
-    args = (model.params, call.tokens, cache, jnp.int32(min(slots, 1)))
-    jax.block_until_ready(repeat(*args))  # compile
+    args = (params, call.tokens, cache, jnp.int32(cache_len))
+    jax.block_until_ready(run(*args))  # compile
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
-        jax.block_until_ready(repeat(*args))
-        best = min(best, (time.perf_counter() - t0) / REPEAT)
+        jax.block_until_ready(run(*args))
+        best = min(best, (time.perf_counter() - t0) / repeat)
     return best
 
 
@@ -77,9 +78,10 @@ def call_costs(model, schedule: str, B: int, bucket: int, capacity: int) -> dict
     """Seconds per call of each call type of a schedule."""
     key = (model.key, schedule, B, bucket, capacity)
     if key not in _cost_cache:
-        _cost_cache[key] = {name: _time_call(model, call, slots, rows)
-                            for name, (call, slots, rows) in
-                            _calls(model, schedule, B, bucket, capacity).items()}
+        _cost_cache[key] = {
+            name: time_forward(model.forward, model.params, call, model.empty_cache(slots),
+                               min(slots, 1), rows)
+            for name, (call, slots, rows) in _calls(model, schedule, B, bucket, capacity).items()}
     return _cost_cache[key]
 
 

@@ -44,6 +44,14 @@ def _draft_argmax(logits, mask_id):
     return logits.argmax(-1)
 
 
+def _matches(draft, v) -> int:
+    """Leading draft tokens equal to the verifier's predictions (Eq. 2)."""
+    h = 0
+    while h < len(draft) and draft[h] == v[h]:
+        h += 1
+    return h
+
+
 class Trace:
     def __init__(self, max_new, eos):
         self.out, self.nfe, self.emitted, self.max_new, self.eos = [], 0, [], max_new, eos
@@ -101,9 +109,7 @@ def packed(model, prompt, B, max_new, eos=None):
         trace.nfe += 1
         v = logits[:B].argmax(-1)                    # v^(i+1) = v[i]
         z = list(_draft_argmax(logits[B + 1:], m))   # z^(j) = z[j-1], position n+j-1
-        h = 0
-        while h < len(draft) and draft[h] == v[h]:
-            h += 1
+        h = _matches(draft, v)
         C = list(draft[:h]) + [int(v[h])]
         stop = trace.accept(C)
         seq += C
@@ -127,9 +133,7 @@ def linear(model, prompt, B, max_new, eos=None):
                        np.tril(np.ones((B, B), bool)), np.zeros(B, bool))
         trace.nfe += 2
         v = logits.argmax(-1)
-        h = 0
-        while h < len(draft) and draft[h] == v[h]:
-            h += 1
+        h = _matches(draft, v)
         C = draft[:h] + [int(v[h])]
         stop = trace.accept(C)
         seq += C
@@ -155,9 +159,7 @@ def quadratic(model, prompt, B, max_new, eos=None):
                        layouts.quadratic_mask(B), np.array(rows)).reshape(B, G, -1)
         trace.nfe += 1
         v = logits[:, 0].argmax(-1)
-        h = 0
-        while h < len(draft) and draft[h] == v[h]:
-            h += 1
+        h = _matches(draft, v)
         C = draft[:h] + [int(v[h])]
         stop = trace.accept(C)
         seq += C
