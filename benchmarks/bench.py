@@ -199,9 +199,10 @@ def profile(model, prompt, schedules, block_sizes, out_dir: str, max_new: int = 
             with jax.profiler.TraceAnnotation(f"decode {s}"):
                 ps.decode(model, prompt, schedule=s, block_size=block_sizes[s],
                           max_new_tokens=max_new)
-    for (key, program), exe in engine._compiled.items():
-        if key != model.key or not hasattr(exe, "as_text"):
+    for key, exe in engine._compiled.items():
+        if not (len(key) == 2 and key[0] == model.key and isinstance(key[1], engine.Program)):
             continue
+        program = key[1]
         name = f"{program.schedule}_B{program.block_size}_bucket{program.bucket}.hlo.txt"
         (out / "hlo" / name).write_text(exe.as_text())
 

@@ -79,14 +79,7 @@ def _args(prompt_ids: np.ndarray, bucket: int, max_new: int, eos_id: int | None,
 
 def compiled(m, params, p: Program) -> tuple[Callable, float]:
     """The compiled program and the seconds spent compiling it now (0.0 when cached)."""
-    key = (m.key, p)
-    if key in _compiled:
-        return _compiled[key], 0.0
-    t0 = time.perf_counter()
-    args = _args(np.zeros(1, np.int32), p.bucket, 1, None)
-    exe = jax.jit(build(m, p)).lower(params, *args).compile()
-    _compiled[key] = exe
-    return exe, time.perf_counter() - t0
+    return aot((m.key, p), build(m, p), params, *_args(np.zeros(1, np.int32), p.bucket, 1, None))
 
 
 def clear_cache() -> None:
@@ -94,8 +87,8 @@ def clear_cache() -> None:
 
 
 def aot(key: Hashable, fn: Callable, *args) -> tuple[Callable, float]:
-    """`fn` lowered and compiled for `args` once per hashable `key`, for decode programs
-    built outside `build` (another model family); returns it and the seconds spent now."""
+    """`fn` lowered and compiled for `args` once per hashable `key` (every decode program,
+    of any family, goes through here); returns it and the seconds spent compiling now."""
     if key in _compiled:
         return _compiled[key], 0.0
     t0 = time.perf_counter()
@@ -125,12 +118,8 @@ def run_many(m, params, prompt_ids: np.ndarray, seeds: np.ndarray, *, schedule: 
     Returns tokens [N, capacity], lengths [N], nfe [N]. Row i equals `run(..., seed=seeds[i])`.
     """
     p = Program(schedule, block_size, bucket_for(len(prompt_ids), capacity), capacity, sampler)
-    key = (m.key, p, "many", len(seeds))
-    if key not in _compiled:
-        one = build(m, p)
-        many = jax.vmap(one, in_axes=(None, None, None, None, None, 0))
-        args = _args(prompt_ids, p.bucket, max_new, eos_id)[:-1] + (jnp.zeros(len(seeds), jnp.uint32),)
-        _compiled[key] = jax.jit(many).lower(params, *args).compile()
+    many = jax.vmap(build(m, p), in_axes=(None, None, None, None, None, 0))
     args = _args(prompt_ids, p.bucket, max_new, eos_id)[:-1] + (jnp.asarray(seeds, jnp.uint32),)
-    out, n_out, nfe, _, _ = jax.device_get(_compiled[key](params, *args))
+    exe, _ = aot((m.key, p, "many", len(seeds)), many, params, *args)
+    out, n_out, nfe, _, _ = jax.device_get(exe(params, *args))
     return np.asarray(out), np.asarray(n_out), np.asarray(nfe)
