@@ -115,7 +115,8 @@ def decode(model, prompt: str | Sequence[int], *, schedule: str = "packed",
                 is part of the compiled shape, so keep it fixed across calls.
     SetDLM models (config.family "setdlm") take `window` (W >= 1), `order` ("ltr" or
     "confidence") and `stop_sequences` (multi-token markers) instead of `block_size`, and
-    the schedules "packed", "linear", "quadratic", "native" and "serial"; see
+    the schedules "packed", "linear", "quadratic", "native" and "serial"; they sample
+    (temperature > 0) with order "ltr" and the schedules other than "native"; see
     `packed_ss_jax.setdlm.decode.decode`.
     """
     if getattr(getattr(model, "config", None), "family", None) == "setdlm":
@@ -162,14 +163,13 @@ def decode(model, prompt: str | Sequence[int], *, schedule: str = "packed",
 
 
 def _setdlm(model, prompt, args):
-    """SetDLM has its own layouts and schedules (packed_ss_jax.setdlm); greedy only."""
+    """SetDLM has its own layouts and schedules (packed_ss_jax.setdlm); sampling is LTR only."""
     from .setdlm.decode import decode as setdlm_decode
 
     if args["block_size"] is not None:
         raise ValueError("SetDLM models take window= (W), not block_size")
-    if args.get("temperature", 0.0) != 0.0:
-        raise ValueError("SetDLM decoding is greedy only: temperature must be 0")
     return setdlm_decode(model, prompt, schedule=args["schedule"], window=args["window"],
                          order=args["order"], stop_sequences=args["stop_sequences"],
                          max_new_tokens=args["max_new_tokens"], eos_id=args["eos_id"],
-                         cache_size=args["cache_size"])
+                         cache_size=args["cache_size"], temperature=args["temperature"],
+                         top_k=args["top_k"], top_p=args["top_p"], seed=args["seed"])

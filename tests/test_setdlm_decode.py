@@ -216,11 +216,15 @@ def test_bad_arguments(kwargs, match):
         ps.decode(tiny_setdlm(0), [1, 2, 3], **kwargs)
 
 
-def test_sampling_is_refused():
+def test_unsupported_sampling_is_refused():
     if "temperature" not in inspect.signature(ps.decode).parameters:
         pytest.skip("this decode has no sampling arguments")
+    with pytest.raises(ValueError, match="any-order sampling is not supported"):
+        ps.decode(tiny_setdlm(0), [1, 2, 3], temperature=1.0, order="confidence",
+                  cache_size=CACHE)
     with pytest.raises(ValueError, match="greedy only"):
-        ps.decode(tiny_setdlm(0), [1, 2, 3], temperature=1.0, cache_size=CACHE)
+        ps.decode(tiny_setdlm(0), [1, 2, 3], schedule="native", temperature=1.0,
+                  cache_size=CACHE)
 
 
 def test_setdlm_arguments_are_refused_for_nemotron():

@@ -1,8 +1,10 @@
 """SetDLM decode driver: the prompt call, then `lax.while_loop` over one schedule step.
 
-One program per (model config, schedule, W, order, prompt bucket, cache size) is
-compiled ahead of time through the engine's cache; the prompt length, the length
-limit and the stop markers are traced arguments, so they never recompile.
+One program per (model config, schedule, W, order, prompt bucket, cache size, sampler)
+is compiled ahead of time through the engine's cache; the prompt length, the length
+limit, the stop markers and the seed are traced arguments, so they never recompile.
+temperature 0 runs the greedy steps (setdlm.schedules); temperature > 0 the exact
+LTR sampling steps (setdlm.sampled).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from .. import cache as cache_lib
 from .. import engine
 from .. import layouts as base_layouts
 from ..api import DecodeResult, _check_ids, _prompt_ids
+from ..sampling import Sampler
+from .sampled import SAMPLED, empty_q
 from .schedules import SCHEDULES
 from .state import State
 
@@ -34,6 +38,7 @@ class Program:
     order: str
     bucket: int
     capacity: int
+    sampler: Sampler = Sampler()
 
 
 @dataclasses.dataclass
@@ -49,7 +54,7 @@ class SetDLMResult(DecodeResult):
     fed: list = dataclasses.field(default_factory=list)
 
 
-def start(m, params, prompt, n, *, p: Program, max_new, stop_tok, stop_len) -> State:
+def start(m, params, prompt, n, *, p: Program, max_new, stop_tok, stop_len, seed=0) -> State:
     """The prompt call (1 NFE): a causal pass that fills the cache (App. E.2)."""
     W, P = p.window, prompt.shape[0]
     call = base_layouts.prefill(prompt)
@@ -60,6 +65,9 @@ def start(m, params, prompt, n, *, p: Program, max_new, stop_tok, stop_len) -> S
     S, C = p.capacity + 2 * W + 2, p.capacity + W
     Np = W if p.schedule == "native" else 1
     iters = 2 * p.capacity + 2  # E or the unresolved count below E drops every iteration
+    sampled = {} if p.sampler.greedy else dict(
+        key=jax.random.PRNGKey(seed), q=empty_q(p.sampler, W, m.vocab_size),
+        q_out=jnp.full(W, -1, jnp.int32))
     return State(
         cache=cache, cache_len=jnp.asarray(n, jnp.int32), slot_out=jnp.full(S, -1, jnp.int32),
         n=jnp.asarray(n, jnp.int32), tok=jnp.zeros(C, jnp.int32), res=jnp.zeros(C, bool),
@@ -70,17 +78,20 @@ def start(m, params, prompt, n, *, p: Program, max_new, stop_tok, stop_len) -> S
         done=jnp.bool_(False), nfe=jnp.int32(1), iterations=jnp.int32(0), rows=jnp.int32(0),
         max_rows=jnp.int32(0), hist=jnp.zeros(W + 1, jnp.int32),
         trace_out=jnp.full((iters, W), -1, jnp.int32), trace_A=jnp.zeros(iters, jnp.int32),
-        trace_fed=jnp.zeros(iters, jnp.int32))
+        trace_fed=jnp.zeros(iters, jnp.int32), **sampled)
 
 
 def build(m, p: Program):
-    step = SCHEDULES[p.schedule]
+    W, order, sampler = p.window, p.order, p.sampler
 
-    def run(params, prompt, n, max_new, stop_tok, stop_len):
+    def run(params, prompt, n, max_new, stop_tok, stop_len, seed):
         s = start(m, params, prompt, n, p=p, max_new=max_new, stop_tok=stop_tok,
-                  stop_len=stop_len)
-        s = jax.lax.while_loop(lambda s: ~s.done,
-                               lambda s: step(m, params, s, W=p.window, order=p.order), s)
+                  stop_len=stop_len, seed=seed)
+        if sampler.greedy:
+            step = lambda s: SCHEDULES[p.schedule](m, params, s, W=W, order=order)  # noqa: E731
+        else:
+            step = lambda s: SAMPLED[p.schedule](m, params, s, W=W, sampler=sampler)  # noqa: E731
+        s = jax.lax.while_loop(lambda s: ~s.done, step, s)
         return (s.tok, s.E, s.nfe, s.iterations, s.rows, s.max_rows, s.hist, s.trace_out,
                 s.trace_A, s.trace_fed)
 
@@ -124,20 +135,15 @@ def _positive_int(value, what: str):
     return int(value)
 
 
-def decode(model, prompt: str | Sequence[int], *, schedule: str = "packed",
-           window: int | None = None, order: str = "ltr",
-           stop_sequences: Sequence[Sequence[int] | str] = (), max_new_tokens: int = 128,
-           eos_id: int | None = -1, cache_size: int | None = None) -> SetDLMResult:
-    """Greedy SetDLM decoding (see `packed_ss_jax.decode`).
+def _check_seed(seed):
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+    return int(seed)
 
-    schedule: "packed", "linear", "quadratic", "native" (the release's threshold
-              decoder) or "serial" (one token per call, the reference).
-    window:   W >= 1, the active window (default: the checkpoint's desired block size).
-    order:    "ltr" or "confidence" (App. E.6); "native" and "serial" are LTR only.
-    stop_sequences: markers (token-id lists, or strings with a tokenizer); one counts once
-              all its tokens are accepted, and the output ends with the earliest (E.2).
-    eos_id:   a one-token marker; -1 (default) uses the config's EOS, None disables it.
-    """
+
+def _prepare(model, prompt, *, schedule, window, order, stop_sequences, max_new_tokens, eos_id,
+             cache_size, temperature, top_k, top_p):
+    """Validated arguments: the program, its traced arguments (seed excluded) and the prompt."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r} for SetDLM; expected one of "
                          f"{sorted(SCHEDULES)}")
@@ -145,6 +151,16 @@ def decode(model, prompt: str | Sequence[int], *, schedule: str = "packed",
         raise ValueError(f"unknown order {order!r}; expected one of {ORDERS}")
     if order != "ltr" and schedule in ("native", "serial"):
         raise ValueError(f"schedule {schedule!r} has no verification order; use order='ltr'")
+    sampler = Sampler(temperature, top_k, top_p)
+    if sampler.greedy:
+        sampler = Sampler()  # truncation does not change an argmax: one greedy program
+    else:
+        if schedule not in SAMPLED:
+            raise ValueError(f"schedule {schedule!r} is greedy only: temperature must be 0; "
+                             f"sampling is supported by {sorted(SAMPLED)}")
+        if order != "ltr":
+            raise ValueError("any-order sampling is not supported: temperature > 0 needs "
+                             "order='ltr'")
     config = model.config
     W = _positive_int(config.block_size if window is None else window, "window")
     if schedule == "serial":
@@ -162,10 +178,40 @@ def decode(model, prompt: str | Sequence[int], *, schedule: str = "packed",
         raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) = "
                          f"{len(ids) + max_new} exceeds the cache ({cache_size} slots); "
                          "shorten the request or pass a larger cache_size")
-    p = Program(schedule, W, order, engine.bucket_for(len(ids), cache_size), int(cache_size))
+    p = Program(schedule, W, order, engine.bucket_for(len(ids), cache_size), int(cache_size),
+                sampler)
     padded = np.zeros(p.bucket, np.int32)
     padded[: len(ids)] = ids
     args = (jnp.asarray(padded), jnp.int32(len(ids)), jnp.int32(max_new), stop_tok, stop_len)
+    return p, args, ids
+
+
+def decode(model, prompt: str | Sequence[int], *, schedule: str = "packed",
+           window: int | None = None, order: str = "ltr",
+           stop_sequences: Sequence[Sequence[int] | str] = (), max_new_tokens: int = 128,
+           eos_id: int | None = -1, cache_size: int | None = None, temperature: float = 0.0,
+           top_k: int | None = None, top_p: float | None = None,
+           seed: int = 0) -> SetDLMResult:
+    """SetDLM decoding (see `packed_ss_jax.decode`).
+
+    schedule: "packed", "linear", "quadratic", "native" (the release's threshold
+              decoder) or "serial" (one token per call, the reference).
+    window:   W >= 1, the active window (default: the checkpoint's desired block size).
+    order:    "ltr" or "confidence" (App. E.6); "native" and "serial" are LTR only.
+    stop_sequences: markers (token-id lists, or strings with a tokenizer); one counts once
+              all its tokens are accepted, and the output ends with the earliest (E.2).
+    eos_id:   a one-token marker; -1 (default) uses the config's EOS, None disables it.
+    temperature, top_k, top_p: 0 is greedy; > 0 samples exactly from the tempered,
+              truncated SetDLM AR conditional (MASK excluded), LTR order only, with the
+              schedules "packed", "linear", "quadratic" and "serial"; `seed` reproduces
+              a run.
+    """
+    p, args, ids = _prepare(model, prompt, schedule=schedule, window=window, order=order,
+                            stop_sequences=stop_sequences, max_new_tokens=max_new_tokens,
+                            eos_id=eos_id, cache_size=cache_size, temperature=temperature,
+                            top_k=top_k, top_p=top_p)
+    args = args + (jnp.asarray(_check_seed(seed), jnp.uint32),)
+    W = p.window
     exe, compile_s = engine.aot(("setdlm", model.key, p), build(model, p), model.params, *args)
     t0 = time.perf_counter()
     out = jax.block_until_ready(exe(model.params, *args))
@@ -181,3 +227,21 @@ def decode(model, prompt: str | Sequence[int], *, schedule: str = "packed",
         prompt_len=len(ids), text=text, window=W, order=order, rows=int(rows),
         max_rows=int(max_rows), orders=orders, accepted=[int(a) for a in trace_A[:iters]],
         fed=[int(f) for f in trace_fed[:iters]])
+
+
+def run_many(model, prompt: Sequence[int], seeds, **kwargs):
+    """Many independent samples of one prompt in one call: the decode vmapped over seeds.
+
+    Takes `decode`'s keyword arguments (seed excluded); returns tokens [N, C] and the
+    output lengths [N]. Row i equals `decode(..., seed=seeds[i]).tokens`.
+    """
+    p, args, _ = _prepare(model, prompt, **{
+        "schedule": "packed", "window": None, "order": "ltr", "stop_sequences": (),
+        "max_new_tokens": 128, "eos_id": -1, "cache_size": None, "temperature": 0.0,
+        "top_k": None, "top_p": None, **kwargs})
+    seeds = np.asarray(seeds)
+    many = jax.vmap(build(model, p), in_axes=(None,) * 6 + (0,))
+    args = args + (jnp.asarray(seeds, jnp.uint32),)
+    exe, _ = engine.aot(("setdlm", model.key, p, "many", len(seeds)), many, model.params, *args)
+    tok, E = jax.device_get(exe(model.params, *args))[:2]
+    return np.asarray(tok), np.asarray(E)

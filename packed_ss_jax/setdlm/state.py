@@ -56,6 +56,12 @@ class State:
     trace_out: jax.Array   # [I, W] the order pi_t of each iteration (-1 padded)
     trace_A: jax.Array     # [I] A_t, accepted before the stop rule
     trace_fed: jax.Array   # [I] tokens left to feed as clean rows next call (N / C rows)
+    # Sampling only (None when greedy): the PRNG key threaded through the loop, and the
+    # proposal distributions Q the stored drafts were drawn from, one row per rank of the
+    # window that drafted them (`q_out[r]`: that rank's output index, -1: none).
+    key: Any = None
+    q: Any = None
+    q_out: Any = None
 
 
 def masked_logits(logits, mask_id: int):
