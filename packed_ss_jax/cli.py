@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def convert_main(argv: list[str] | None = None) -> int:
@@ -47,12 +48,12 @@ def _prompt_arg(args, model):
 
 
 def _table(results) -> str:
-    head = "| schedule | B | tokens | NFE | tokens/NFE | wall (ms) | time/NFE (ms) | tokens/s |"
-    rows = [head, "|" + "---|" * 8]
+    head = "| schedule | tokens | NFE | tokens/NFE | wall (ms) | tokens/s |"
+    rows = [head, "|" + "---|" * 6]
     for r in results:
-        rows.append(f"| {r.schedule} | {r.block_size if r.schedule != 'ar' else '-'} | "
-                     f"{len(r.tokens)} | {r.nfe} | {r.tokens_per_nfe:.2f} | {1e3 * r.wall_s:.1f} | "
-                     f"{r.time_per_nfe_ms:.2f} | {r.tokens_per_s:.1f} |")
+        name = r.schedule if r.schedule == "ar" else f"{r.schedule} (B={r.block_size})"
+        rows.append(f"| {name} | {len(r.tokens)} | {r.nfe} | {r.tokens_per_nfe:.2f} | "
+                    f"{1e3 * r.wall_s:.1f} | {r.tokens_per_s:.1f} |")
     return "\n".join(rows)
 
 
@@ -62,12 +63,18 @@ def generate_main(argv: list[str] | None = None) -> int:
     from .config import ConfigError
     from .schedules import SCHEDULES
 
-    p = argparse.ArgumentParser(prog="packed-ss generate",
-                                description="Greedy decoding with one or all schedules.")
+    p = argparse.ArgumentParser(
+        prog="packed-ss generate",
+        description="Greedy decoding with Packed-SS (default), one other schedule or all four. "
+                    "Without --model it runs the small model shipped with the package.")
     p.add_argument("prompt", nargs="?", default=None, help="prompt text (needs a tokenizer)")
     p.add_argument("--ids", help="prompt as token ids, e.g. '1,17,42' (instead of text)")
-    p.add_argument("--model", required=True, help="Hugging Face or converted checkpoint directory")
-    p.add_argument("--schedule", default="packed", choices=sorted(SCHEDULES) + ["all"])
+    p.add_argument("--model", default=None,
+                   help="Hugging Face or converted checkpoint directory (default: the embedded "
+                        "model)")
+    p.add_argument("--schedule", default="packed", choices=sorted(SCHEDULES) + ["all"],
+                   help="decoding schedule (default packed); 'all' compares ar, linear, "
+                        "quadratic and packed on the same prompt")
     p.add_argument("--block-size", type=int, default=None, help="B (default: the config's)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--no-eos", action="store_true", help="ignore EOS (stop at the length limit)")
@@ -76,7 +83,10 @@ def generate_main(argv: list[str] | None = None) -> int:
     if args.prompt is None and args.ids is None:
         p.error("give a prompt (text) or --ids")
     if args.prompt is not None and not args.prompt.strip():
-        p.error("the prompt is empty")
+        p.error("the prompt is empty: give some text, e.g. packed-ss generate \"Question: ...\"")
+    if args.model is not None and not Path(args.model).exists():
+        print(f"packed-ss: error: --model {args.model}: no such directory", file=sys.stderr)
+        return 2
     try:
         model = loading.load(args.model, dtype=args.dtype)
         prompt = _prompt_arg(args, model)

@@ -84,12 +84,17 @@ def read_weights(path: Path, config: ModelConfig, progress: bool = False) -> dic
     return reader.read(path, config, progress=progress)
 
 
-def load(path: str | Path, dtype: str = "float32", lora: bool | None = None,
+EMBEDDED = Path(__file__).resolve().parent / "embedded" / "nld-tiny"
+
+
+def load(path: str | Path | None = None, dtype: str = "float32", lora: bool | None = None,
          progress: bool = False, base_config=None) -> Model:
     """Loads a checkpoint directory.
 
-    path:  a Hugging Face Nemotron-Labs-Diffusion directory (config.json + safetensors,
-           optional `linear_spec_lora/`), a SetDLM directory (BD3LM-style config.json +
+    path:  None (default) loads the small model shipped inside the package (`EMBEDDED`,
+           trained by `python -m packed_ss_jax.training`); otherwise a Hugging Face
+           Nemotron-Labs-Diffusion directory (config.json + safetensors, optional
+           `linear_spec_lora/`), a SetDLM directory (BD3LM-style config.json +
            pytorch_model.bin or safetensors) or a directory written by `convert`.
     base_config: SetDLM only: the config.json (path or dict) of the Qwen3 base model that
            `backbone_config.pretrained_model_name_or_path` names, when the checkpoint's
@@ -100,7 +105,7 @@ def load(path: str | Path, dtype: str = "float32", lora: bool | None = None,
     """
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; expected one of {DTYPES}")
-    path = Path(path)
+    path = EMBEDDED if path is None else Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint path {path} does not exist")
     if not path.is_dir():

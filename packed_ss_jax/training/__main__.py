@@ -1,0 +1,44 @@
+"""`python -m packed_ss_jax.training`: train the embedded model from scratch (seeded)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .train import TrainConfig
+
+    d = TrainConfig()
+    p = argparse.ArgumentParser(prog="python -m packed_ss_jax.training",
+                                description="Train a small AR + diffusion-drafting model and "
+                                            "save it in the Nemotron-Labs-Diffusion layout.")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch", type=int, default=d.batch)
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--intermediate", type=int, default=640)
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="stop (and save) after this much wall time")
+    p.add_argument("--eval", type=int, default=0, metavar="N",
+                   help="afterwards, measure accuracy and tokens/NFE on N held-out problems")
+    args = p.parse_args(argv)
+    tc = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
+                     seed=args.seed)
+    model_kw = {"hidden": args.hidden, "layers": args.layers, "intermediate": args.intermediate}
+    from .train import train
+
+    train(args.out, tc, model_kw, max_minutes=args.max_minutes)
+    if args.eval:
+        from .evaluate import evaluate, print_report
+
+        print_report(evaluate(args.out, n_arith=args.eval))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

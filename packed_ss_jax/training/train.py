@@ -1,0 +1,174 @@
+"""Training loop: data streams, the jitted step, progress and loss logging, export."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from .. import model as model_lib
+from ..config import ModelConfig
+from . import corpus, export, objective
+from .tokenizer import special_ids, train_tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1200
+    batch: int = 8
+    seq_len: int = 128
+    lr: float = 2.5e-3
+    warmup: int = 50
+    weight_decay: float = 0.05
+    ar_weight: float = 1.0
+    diff_weight: float = 0.3
+    mix: tuple[float, ...] = (0.65, 0.25, 0.05, 0.05)  # problems, drills, code, prose
+    n_problems: int = 60000
+    n_drills: int = 30000
+    vocab_size: int = 2048
+    tokenizer_problems: int = 20000
+    seed: int = 0
+    log_every: int = 25
+
+
+def model_config(vocab: int, ids: dict, *, hidden=256, layers=4, heads=8, kv_heads=4,
+                 head_dim=32, intermediate=640, block_size=8, max_pos=1024) -> ModelConfig:
+    return ModelConfig(
+        family="nemotron", vocab_size=vocab, hidden_size=hidden, num_layers=layers,
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        intermediate_size=intermediate, rms_norm_eps=1e-5, mask_token_id=ids["mask"],
+        eos_token_id=ids["eos"], bos_token_id=ids["bos"], block_size=block_size,
+        max_position_embeddings=max_pos, rope_theta=10000.0, tie_embeddings=False)
+
+
+class Streams:
+    """Token streams (BOS text EOS, documents shuffled and concatenated) per source."""
+
+    def __init__(self, tok, tc: TrainConfig, split: str = "train"):
+        eos = special_ids(tok)["eos"]
+        r = np.random.default_rng(tc.seed)
+        probs = list(itertools.islice(corpus.arithmetic(split, tc.seed), tc.n_problems))
+        drills = list(itertools.islice(corpus.drills(tc.seed), tc.n_drills))
+        sources = [[p.text for p in probs], drills, corpus.code(split), corpus.prose(split)]
+        self.streams, self.starts = [], []
+        for docs in sources:
+            enc = tok.encode_batch(docs)
+            order = r.permutation(len(enc))
+            ids = [np.asarray(enc[i].ids + [eos], np.int32) for i in order]
+            self.streams.append(np.concatenate(ids))
+            self.starts.append(np.cumsum([0] + [len(x) for x in ids[:-1]]))
+        self.mix = np.asarray(tc.mix) / np.sum(tc.mix)
+
+    def sizes(self) -> list[int]:
+        return [len(s) for s in self.streams]
+
+    def batch(self, rng: np.random.Generator, n: int, L: int) -> np.ndarray:
+        src = rng.choice(len(self.streams), size=n, p=self.mix)
+        out = np.empty((n, L), np.int32)
+        for i, s in enumerate(src):
+            # Windows start at a document start (BOS at position 0, as at inference), so
+            # every document in a window but the last is whole: copying from the prompt
+            # is always possible.
+            stream, starts = self.streams[s], self.starts[s]
+            o = int(starts[rng.integers(0, np.searchsorted(starts, len(stream) - L))])
+            out[i] = stream[o:o + L]
+        return out
+
+
+def make_step(c: ModelConfig, tx, ar_w: float, diff_w: float):
+    def loss_fn(params, tokens, mask, dw):
+        ar, diff = objective.losses(c, params, tokens, mask, dw)
+        return ar_w * ar + diff_w * diff, (ar, diff)
+
+    @jax.jit
+    def step(params, opt_state, tokens, mask, dw):
+        (loss, (ar, diff)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, tokens, mask, dw)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, ar, diff
+
+    return step
+
+
+def optimizer(tc: TrainConfig):
+    sched = optax.warmup_cosine_decay_schedule(0.0, tc.lr, min(tc.warmup, max(tc.steps // 2, 1)),
+                                               max(tc.steps, 2), end_value=tc.lr * 0.05)
+    decay = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)  # no decay on norm scales
+    return optax.chain(optax.clip_by_global_norm(1.0),
+                       optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=tc.weight_decay,
+                                   mask=decay))
+
+
+def _bar(i, n, t0, ar, diff, width=24):
+    done = int(width * i / n)
+    el = time.monotonic() - t0
+    eta = el / max(i, 1) * (n - i)
+    return (f"\r[{'#' * done}{'.' * (width - done)}] {i}/{n} ar {ar:.3f} diff {diff:.3f} "
+            f"{el / 60:5.1f}m elapsed, eta {eta / 60:4.1f}m ")
+
+
+def train(out_dir: str | Path, tc: TrainConfig = TrainConfig(), model_kw: dict | None = None,
+          max_minutes: float | None = None, quiet: bool = False, tokenizer=None):
+    """Trains from scratch and exports to `out_dir`; returns (config, params, log)."""
+    t_start = time.monotonic()
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    if tokenizer is None:
+        texts = [p.text for p in itertools.islice(corpus.arithmetic("train", tc.seed),
+                                                  tc.tokenizer_problems)]
+        texts += corpus.code("train") + corpus.prose("train")
+        tokenizer = train_tokenizer(texts, tc.vocab_size)
+    ids = special_ids(tokenizer)
+    c = model_config(tokenizer.get_vocab_size(), ids, **(model_kw or {}))
+    streams = Streams(tokenizer, tc)
+    say(f"tokenizer: {c.vocab_size} tokens; corpus tokens (problems, drills, code, prose): "
+        f"{streams.sizes()}; {time.monotonic() - t_start:.0f}s")
+
+    params = model_lib.init_params(c, jax.random.PRNGKey(tc.seed))
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    say(f"model: {n_params / 1e6:.2f}M params, {c.num_layers} layers, hidden {c.hidden_size}")
+    tx = optimizer(tc)
+    opt_state = tx.init(params)
+    step = make_step(c, tx, tc.ar_weight, tc.diff_weight)
+    rng = np.random.default_rng(tc.seed + 1)
+
+    def next_batch():
+        clean = streams.batch(rng, tc.batch, tc.seq_len)
+        return objective.noise_batch(rng, clean, c.mask_token_id)
+
+    log, t0 = [], time.monotonic()
+    ar_avg = diff_avg = float("nan")
+    batch = next_batch()
+    i = 0
+    for i in range(1, tc.steps + 1):
+        params, opt_state, loss, ar, diff = step(params, opt_state, *batch)
+        batch = next_batch()  # prepared while the step runs
+        if i % tc.log_every == 0 or i == tc.steps or i == 1:
+            ar_avg, diff_avg = float(ar), float(diff)
+            log.append({"step": i, "ar": ar_avg, "diff": diff_avg, "loss": float(loss),
+                        "elapsed_s": round(time.monotonic() - t0, 1)})
+            if not quiet:
+                sys.stderr.write(_bar(i, tc.steps, t0, ar_avg, diff_avg))
+                if i % (tc.log_every * 10) == 0:
+                    sys.stderr.write("\n")
+                sys.stderr.flush()
+        if max_minutes is not None and time.monotonic() - t_start > 60 * max_minutes:
+            say(f"\nstopping at step {i}: the {max_minutes} min limit")
+            break
+    jax.block_until_ready(params)
+    wall = time.monotonic() - t_start
+    say(f"\ntrained {i} steps in {wall / 60:.1f} min")
+    info = {"train_config": dataclasses.asdict(tc), "model": model_kw or {}, "steps_done": i,
+            "params": int(n_params), "wall_s": round(wall, 1), "log": log}
+    if out_dir is not None:
+        export.export(out_dir, c, params, tokenizer, extra=info)
+        say(f"saved to {out_dir}")
+    return c, params, info
