@@ -65,8 +65,9 @@ def generate_main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(
         prog="packed-ss generate",
-        description="Greedy decoding with Packed-SS (default), one other schedule or all four. "
-                    "Without --model it runs the small model shipped with the package.")
+        description="Decoding with Packed-SS (default), one other schedule or all four; greedy "
+                    "unless --temperature > 0. Without --model it runs the small model shipped "
+                    "with the package.")
     p.add_argument("prompt", nargs="?", default=None, help="prompt text (needs a tokenizer)")
     p.add_argument("--ids", help="prompt as token ids, e.g. '1,17,42' (instead of text)")
     p.add_argument("--model", default=None,
@@ -78,6 +79,11 @@ def generate_main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=None, help="B (default: the config's)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--no-eos", action="store_true", help="ignore EOS (stop at the length limit)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default) is greedy; > 0 samples exactly from the AR distribution")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = p.parse_args(argv)
     if args.prompt is None and args.ids is None:
@@ -93,14 +99,16 @@ def generate_main(argv: list[str] | None = None) -> int:
         schedules = ["ar", "linear", "quadratic", "packed"] if args.schedule == "all" else [args.schedule]
         results = [api.decode(model, prompt, schedule=s, block_size=args.block_size,
                               max_new_tokens=args.max_new_tokens,
-                              eos_id=None if args.no_eos else -1) for s in schedules]
+                              eos_id=None if args.no_eos else -1, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                   for s in schedules]
     except (CheckpointError, ConfigError, FileNotFoundError, NotADirectoryError, ValueError,
             TypeError) as e:
         print(f"packed-ss: error: {e}", file=sys.stderr)
         return 2
     first = results[0]
     print(first.text if first.text is not None else " ".join(map(str, first.tokens)))
-    if any(r.tokens != first.tokens for r in results):
+    if args.temperature == 0 and any(r.tokens != first.tokens for r in results):
         print("warning: schedules disagree (numerical near-tie?)", file=sys.stderr)
     print()
     print(_table(results))
@@ -108,12 +116,20 @@ def generate_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def bench_main(argv: list[str] | None = None) -> int:
+    from benchmarks.bench import main as bench
+
+    return bench(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"generate": generate_main, "convert": convert_main}
+    commands = {"generate": generate_main, "convert": convert_main, "bench": bench_main}
     if not argv or argv[0] not in commands:
-        print("usage: packed-ss {generate,convert} ...\n\n"
+        print("usage: packed-ss {generate,convert,bench} ...\n\n"
               "  generate   decode a prompt with AR / Linear-SS / Quadratic-SS / Packed-SS\n"
-              "  convert    convert a Hugging Face checkpoint to orbax params", file=sys.stderr)
+              "  convert    convert a Hugging Face checkpoint to orbax params\n"
+              "  bench      measure schedules on a task (tokens/NFE, throughput, CIs)",
+              file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return commands[argv[0]](argv[1:])
