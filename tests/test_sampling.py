@@ -155,22 +155,28 @@ def test_wrong_rules_are_caught(laws, monkeypatch, broken):
     assert p < ALPHA
 
 
-def test_power(laws):
-    """The test detects a law at total-variation distance 0.02 from the true one."""
-    law = laws["T=1"]
+def tv_shift_rejections(law, n: int, trials: int = 20, move: float = 0.02) -> int:
+    """How often the chi-square test rejects samples from a law at total-variation distance
+    `move` from `law` (mass moved proportionally out of the likeliest continuation, the
+    least favourable direction)."""
     keys = sorted(law, key=law.get)
-    shifted = dict(law)
-    move = 0.02
     big, smalls = keys[-1], keys[:-1]
-    shifted[big] -= move  # move 0.02 of mass from the likeliest continuation to the rest
+    shifted = dict(law)
+    shifted[big] -= move
     total_small = sum(law[k] for k in smalls)
     for k in smalls:
         shifted[k] += move * law[k] / total_small
     rng = np.random.default_rng(0)
     rejections = 0
-    for _ in range(20):
-        idx = rng.choice(len(keys), size=N, p=np.array([shifted[k] for k in keys]))
+    for _ in range(trials):
+        idx = rng.choice(len(keys), size=n, p=np.array([shifted[k] for k in keys]))
         rejections += chi_square([keys[i] for i in idx], law) < ALPHA
+    return rejections
+
+
+def test_power(laws):
+    """The test detects a law at total-variation distance 0.02 from the true one."""
+    rejections = tv_shift_rejections(laws["T=1"], N)
     print(f"power against a TV shift of 0.02: {rejections}/20 rejected")
     assert rejections >= 17
 

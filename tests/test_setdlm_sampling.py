@@ -19,7 +19,7 @@ from packed_ss_jax import Model, ModelConfig, engine, sampling
 from packed_ss_jax.sampling import Sampler
 from packed_ss_jax.setdlm.decode import run_many
 from setdlm_reference import serial_ltr
-from test_sampling import ALPHA, chi_square, np_target
+from test_sampling import ALPHA, chi_square, np_target, tv_shift_rejections
 from tiny import _params
 
 VOCAB = 6
@@ -116,19 +116,7 @@ def test_always_accept_is_caught(laws, monkeypatch):
 
 def test_power(laws):
     """The test detects a law at total-variation distance 0.02 from the true one."""
-    law = laws["T=1"]
-    keys = sorted(law, key=law.get)
-    big, smalls = keys[-1], keys[:-1]
-    shifted = dict(law)
-    shifted[big] -= 0.02  # 0.02 of mass moved from the likeliest continuation to the rest
-    total_small = sum(law[k] for k in smalls)
-    for k in smalls:
-        shifted[k] += 0.02 * law[k] / total_small
-    rng = np.random.default_rng(0)
-    rejections = 0
-    for _ in range(20):
-        idx = rng.choice(len(keys), size=N, p=np.array([shifted[k] for k in keys]))
-        rejections += chi_square([keys[i] for i in idx], law) < ALPHA
+    rejections = tv_shift_rejections(laws["T=1"], N)
     print(f"power against a TV shift of 0.02: {rejections}/20 rejected")
     assert rejections >= 17
 
