@@ -26,11 +26,15 @@ FIXTURES = _shared() / "fixtures"
 NEMOTRON = FIXTURES / "nemotron_tiny"
 
 
+def _fixture_dir(path: Path) -> Path:
+    if not path.is_dir():
+        pytest.fail(f"fixture checkpoint not found at {path} (set PACKED_SS_SHARED)")
+    return path
+
+
 @pytest.fixture(scope="session")
 def nemotron_dir() -> Path:
-    if not NEMOTRON.is_dir():
-        pytest.fail(f"fixture checkpoint not found at {NEMOTRON} (set PACKED_SS_SHARED)")
-    return NEMOTRON
+    return _fixture_dir(NEMOTRON)
 
 
 @pytest.fixture(scope="session")
@@ -58,16 +62,12 @@ SETDLM_SAFETENSORS = FIXTURES / "setdlm_tiny_safetensors"
 
 @pytest.fixture(scope="session")
 def setdlm_dir() -> Path:
-    if not SETDLM.is_dir():
-        pytest.fail(f"fixture checkpoint not found at {SETDLM} (set PACKED_SS_SHARED)")
-    return SETDLM
+    return _fixture_dir(SETDLM)
 
 
 @pytest.fixture(scope="session")
 def setdlm_safetensors_dir() -> Path:
-    if not SETDLM_SAFETENSORS.is_dir():
-        pytest.fail(f"fixture checkpoint not found at {SETDLM_SAFETENSORS} (set PACKED_SS_SHARED)")
-    return SETDLM_SAFETENSORS
+    return _fixture_dir(SETDLM_SAFETENSORS)
 
 
 @pytest.fixture(scope="session")

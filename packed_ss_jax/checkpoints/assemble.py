@@ -27,6 +27,38 @@ class Entry:
     layer: bool = False       # one tensor per layer, stacked on axis 0
 
 
+# Llama-style per-layer names shared by the Ministral-3 and Qwen3 backbones:
+# (param path, checkpoint name after the layer prefix, stored [out, in]).
+DECODER_LAYER = [
+    (("input_norm", "scale"), "input_layernorm.weight", False),
+    (("attn", "q_proj"), "self_attn.q_proj.weight", True),
+    (("attn", "k_proj"), "self_attn.k_proj.weight", True),
+    (("attn", "v_proj"), "self_attn.v_proj.weight", True),
+    (("attn", "o_proj"), "self_attn.o_proj.weight", True),
+    (("post_attn_norm", "scale"), "post_attention_layernorm.weight", False),
+    (("mlp", "gate_proj"), "mlp.gate_proj.weight", True),
+    (("mlp", "up_proj"), "mlp.up_proj.weight", True),
+    (("mlp", "down_proj"), "mlp.down_proj.weight", True),
+]
+QK_NORM = [
+    (("attn", "q_norm", "scale"), "self_attn.q_norm.weight", False),
+    (("attn", "k_norm", "scale"), "self_attn.k_norm.weight", False),
+]
+
+
+def decoder_table(c, embed: str, layer_prefix: str, final_norm: str, head: str) -> list[Entry]:
+    """The name table of a decoder-only checkpoint: embedding, stacked layers (`{i}` in
+    `layer_prefix`), final norm, and the head unless it is tied to the embedding."""
+    layer = DECODER_LAYER + (QK_NORM if c.qk_norm else [])
+    entries = [Entry(("embed",), embed)]
+    entries += [Entry(("layers",) + path, layer_prefix + name, t, layer=True)
+                for path, name, t in layer]
+    entries.append(Entry(("final_norm", "scale"), final_norm))
+    if not c.tie_embeddings:
+        entries.append(Entry(("head",), head, transpose=True))
+    return entries
+
+
 class Source(Protocol):
     def names(self) -> list[str]: ...
     def shape(self, name: str) -> tuple[int, ...]: ...

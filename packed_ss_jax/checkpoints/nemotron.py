@@ -14,34 +14,16 @@ import numpy as np
 
 from .. import model as model_lib
 from ..config import ModelConfig
-from .assemble import Entry, assemble
+from .assemble import Entry, assemble, decoder_table
 from .errors import CheckpointError
 from .safetensors_io import SafetensorsDir
 
 LORA_DIR = "linear_spec_lora"
 LORA_PREFIX = "base_model.model.encoder.layers.{i}.self_attn.o_proj"
 
-_LAYER = [
-    (("input_norm", "scale"), "input_layernorm.weight", False),
-    (("attn", "q_proj"), "self_attn.q_proj.weight", True),
-    (("attn", "k_proj"), "self_attn.k_proj.weight", True),
-    (("attn", "v_proj"), "self_attn.v_proj.weight", True),
-    (("attn", "o_proj"), "self_attn.o_proj.weight", True),
-    (("post_attn_norm", "scale"), "post_attention_layernorm.weight", False),
-    (("mlp", "gate_proj"), "mlp.gate_proj.weight", True),
-    (("mlp", "up_proj"), "mlp.up_proj.weight", True),
-    (("mlp", "down_proj"), "mlp.down_proj.weight", True),
-]
-
-
 def table(c: ModelConfig) -> list[Entry]:
-    entries = [Entry(("embed",), "encoder.embed_tokens.weight")]
-    entries += [Entry(("layers",) + path, f"encoder.layers.{{i}}.{name}", t, layer=True)
-                for path, name, t in _LAYER]
-    entries.append(Entry(("final_norm", "scale"), "encoder.norm.weight"))
-    if not c.tie_embeddings:
-        entries.append(Entry(("head",), "diffusion_head.weight", transpose=True))
-    return entries
+    return decoder_table(c, "encoder.embed_tokens.weight", "encoder.layers.{i}.",
+                         "encoder.norm.weight", "diffusion_head.weight")
 
 
 def _ignored(name: str) -> bool:

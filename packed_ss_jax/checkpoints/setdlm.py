@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import model as model_lib
 from ..config import ModelConfig
-from .assemble import Entry, assemble
+from .assemble import Entry, assemble, decoder_table
 from .errors import CheckpointError
 from .safetensors_io import INDEX, SINGLE, SafetensorsDir
 from .torch_bin import TorchBin
@@ -27,29 +27,8 @@ HEAD = PREFIX + "lm_head.weight"
 BIN = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
 
-_LAYER = [
-    (("input_norm", "scale"), "input_layernorm.weight", False),
-    (("attn", "q_proj"), "self_attn.q_proj.weight", True),
-    (("attn", "k_proj"), "self_attn.k_proj.weight", True),
-    (("attn", "v_proj"), "self_attn.v_proj.weight", True),
-    (("attn", "o_proj"), "self_attn.o_proj.weight", True),
-    (("attn", "q_norm", "scale"), "self_attn.q_norm.weight", False),
-    (("attn", "k_norm", "scale"), "self_attn.k_norm.weight", False),
-    (("post_attn_norm", "scale"), "post_attention_layernorm.weight", False),
-    (("mlp", "gate_proj"), "mlp.gate_proj.weight", True),
-    (("mlp", "up_proj"), "mlp.up_proj.weight", True),
-    (("mlp", "down_proj"), "mlp.down_proj.weight", True),
-]
-
-
 def table(c: ModelConfig) -> list[Entry]:
-    entries = [Entry(("embed",), EMBED)]
-    entries += [Entry(("layers",) + path, f"{PREFIX}model.layers.{{i}}.{name}", t, layer=True)
-                for path, name, t in _LAYER]
-    entries.append(Entry(("final_norm", "scale"), PREFIX + "model.norm.weight"))
-    if not c.tie_embeddings:
-        entries.append(Entry(("head",), HEAD, transpose=True))
-    return entries
+    return decoder_table(c, EMBED, PREFIX + "model.layers.{i}.", PREFIX + "model.norm.weight", HEAD)
 
 
 class _BinShards:
