@@ -1,12 +1,13 @@
 """`packed-ss bench`: the paper's measurements for chosen schedules on one task.
 
-Batch size 1, one prompt at a time. Per schedule: tokens (total, mean), decoder wall
+Batch size 1, one prompt at a time (optionally several times, keeping the fastest). Per schedule: tokens (total, mean), decoder wall
 time, NFE, tokens/NFE, time/NFE, throughput (total tokens / total wall), the split of
 wall time into model execution and non-model decoder work, the accepted-length
 histogram and task accuracy. Packed-SS is compared with each baseline by paired
 bootstrap intervals over prompts (same resampled indices for every method).
 Compilation is excluded: every program is compiled before it is timed (AOT), and each
-schedule is warmed up on the first prompt.
+schedule is warmed up on the first prompt. Block sizes are given, or chosen per
+schedule by the paper's throughput probe on the first prompts (App. F.1).
 """
 
 from __future__ import annotations
@@ -39,39 +40,60 @@ def parse_block_sizes(spec: str | None, schedules) -> dict[str, int | None]:
     return out
 
 
-def run(model, prompts, schedules, block_sizes, *, temperature=0.0, seed=0,
-        max_new_tokens=None, progress=True) -> dict:
+def parse_probe(spec: str) -> list[int]:
+    """'4,8,16' -> [4, 8, 16]; every size an integer >= 2."""
+    parts = [x.strip() for x in spec.split(",") if x.strip()]
+    if not parts or not all(x.isdigit() and int(x) >= 2 for x in parts):
+        raise ValueError(f"--probe: block sizes must be integers >= 2, got {spec!r}")
+    return list(dict.fromkeys(int(x) for x in parts))
+
+
+def run(model, prompts, schedules, block_sizes, *, capacity: int, temperature=0.0, seed=0,
+        max_new_tokens=None, repeats=1, model_time=True, progress=True) -> dict:
+    """Per schedule, per prompt: tokens, wall, NFE, model time, correctness.
+
+    With `repeats` > 1 every prompt is decoded that many times by every schedule, in
+    turn (so slow drift of the machine hits all schedules alike), and the fastest wall
+    time is kept; the outputs of the repeats are identical (same seed). With
+    `model_time`, each decode is also run with every forward pass doubled (see
+    `timing.Doubled`, same repeats): the extra wall time is the model execution time.
+    """
     import packed_ss_jax as ps
-    from packed_ss_jax import engine
 
     per = {s: {"tokens": [], "wall_s": [], "nfe": [], "iterations": [], "model_s": [],
                "correct": [], "hist": None} for s in schedules}
-    greedy = temperature == 0
-    capacity = cache_size_for(model, prompts, max_new_tokens)
+    doubled = timing.Doubled(model)
 
-    def one(s, p, i):
+    def one(s, p, i, m=model):
         B = block_sizes[s] or model.config.block_size
-        return ps.decode(model, p.text, schedule=s, block_size=B,
+        return ps.decode(m, p.text, schedule=s, block_size=B,
                          max_new_tokens=max_new_tokens or p.max_new_tokens,
                          eos_id=-1 if p.stop_at_eos else None, temperature=temperature,
                          seed=seed + i, cache_size=capacity)
 
     for s in schedules:  # warm-up: compile, and run once, outside the measurements
         one(s, prompts[0], 0)
+        if model_time:
+            one(s, prompts[0], 0, doubled)
     t0 = time.monotonic()
     for i, p in enumerate(prompts):
+        runs = {s: [] for s in schedules}
+        twice = {s: [] for s in schedules}
+        for _ in range(repeats):
+            for s in schedules:
+                runs[s].append(one(s, p, i))
+                if model_time:
+                    twice[s].append(one(s, p, i, doubled).wall_s)
         for s in schedules:
-            r = one(s, p, i)
+            r = min(runs[s], key=lambda x: x.wall_s)
             d = per[s]
             d["tokens"].append(len(r.tokens))
             d["wall_s"].append(r.wall_s)
             d["nfe"].append(r.nfe)
             d["iterations"].append(r.iterations)
             d["hist"] = r.accept_hist if d["hist"] is None else d["hist"] + r.accept_hist
-            costs = timing.call_costs(model, s, r.block_size, engine.bucket_for(r.prompt_len, capacity),
-                                      capacity)
-            d["model_s"].append(timing.model_time(
-                costs, timing.call_counts(s, r.nfe, r.iterations, greedy)))
+            if model_time:
+                d["model_s"].append(min(twice[s]) - r.wall_s)
             if p.score is not None:
                 d["correct"].append(bool(p.score(r.text if r.text is not None else "")))
         if progress:
@@ -80,6 +102,44 @@ def run(model, prompts, schedules, block_sizes, *, temperature=0.0, seed=0,
     if progress:
         sys.stderr.write("\n")
     return per
+
+
+PROBE_PROMPTS = 10  # App. F.1: the first ten questions of the task
+
+
+def probe(model, prompts, schedules, sizes, fixed, *, progress=True, **kw) -> tuple[dict, list]:
+    """App. F.1's block-size probe: every speculative schedule whose B is not `fixed`
+    decodes the first PROBE_PROMPTS prompts at each size in `sizes` (with the run's cache
+    size and repeats, so it times the programs the run will use); the size with the
+    highest throughput (tokens / wall) is chosen. Returns ({schedule: B}, table rows)."""
+    chosen, rows = dict(fixed), []
+    for s in schedules:
+        if s == "ar" or fixed.get(s):
+            continue
+        best = None
+        for B in sizes:
+            d = run(model, prompts[:PROBE_PROMPTS], [s], {s: B}, model_time=False,
+                    progress=False, **kw)[s]
+            tok, wall, nfe = sum(d["tokens"]), sum(d["wall_s"]), sum(d["nfe"])
+            rows.append({"schedule": s, "block_size": B, "tokens": tok, "wall_s": wall,
+                         "nfe": nfe, "tokens_per_nfe": tok / nfe, "throughput_tok_s": tok / wall})
+            if best is None or tok / wall > best[1]:
+                best = (B, tok / wall)
+            if progress:
+                sys.stderr.write(f"probe {s} B={B}: {tok / wall:.1f} tok/s, "
+                                 f"{tok / nfe:.2f} tok/NFE\n")
+        chosen[s] = best[0]
+    return chosen, rows
+
+
+def probe_markdown(rows: list, chosen: dict) -> str:
+    out = [f"block-size probe (first {PROBE_PROMPTS} prompts; App. F.1):",
+           "| schedule | B | tokens/NFE | throughput (tok/s) | chosen |", "|---|---|---|---|---|"]
+    for r in rows:
+        mark = "yes" if chosen.get(r["schedule"]) == r["block_size"] else ""
+        out.append(f"| {r['schedule']} | {r['block_size']} | {r['tokens_per_nfe']:.2f} | "
+                   f"{r['throughput_tok_s']:.1f} | {mark} |")
+    return "\n".join(out)
 
 
 def cache_size_for(model, prompts, max_new_tokens=None) -> int:
@@ -127,6 +187,7 @@ def summarize(model_name: str, task: str, per: dict, block_sizes, config_block: 
             "paired": paired, "ratios_to_linear": figure3, "bootstrap_resamples": resamples,
             "warmup": "each schedule decoded the first prompt once before timing; "
                       "compilation is ahead of time and never inside wall_s",
+            "wall_s_is": "per prompt, the fastest of `repeats` identical decodes",
             "per_prompt": {s: {k: d[k] for k in ("tokens", "wall_s", "nfe")} for s, d in per.items()}}
 
 
@@ -215,6 +276,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", help="local task file in its public jsonl format (paper tasks)")
     p.add_argument("--schedules", default=",".join(SCHEDULES))
     p.add_argument("--block-size", help="B for all, or per schedule: packed=32,linear=32,quadratic=8")
+    p.add_argument("--probe", metavar="SIZES",
+                   help=f"choose each schedule's B as in App. F.1: the highest throughput on the "
+                        f"first {PROBE_PROMPTS} prompts among these sizes, e.g. 4,8,16 (with "
+                        f"--repeats as set; a size given by --block-size wins)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="decode each prompt this many times per schedule and keep the fastest "
+                        "wall time (less timing noise; tokens are identical)")
     p.add_argument("--limit", type=int, default=None, help="first N prompts (offline tasks: 100)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="override the task's output cap")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -234,6 +302,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--schedules: unknown {bad}; choose from {list(SCHEDULES)}")
     try:
         block_sizes = parse_block_sizes(args.block_size, schedules)
+        sizes = parse_probe(args.probe) if args.probe else []
+        if args.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+        if sizes and all(s == "ar" or block_sizes[s] for s in schedules):
+            raise ValueError("--probe: every schedule's block size is already fixed by "
+                             "--block-size (or only ar is run); nothing to probe")
         model = ps.load(args.model, dtype=args.dtype) if args.model else ps.load(dtype=args.dtype)
         prompts = tasks.load(args.task, args.data, args.limit)
     except (ValueError, FileNotFoundError) as e:
@@ -242,10 +316,16 @@ def main(argv: list[str] | None = None) -> int:
     name = args.model or "embedded"
     print(f"{name}: {len(prompts)} {args.task} prompts, schedules {schedules}, "
           f"temperature {args.temperature}", file=sys.stderr)
-    per = run(model, prompts, schedules, block_sizes, temperature=args.temperature, seed=args.seed,
-              max_new_tokens=args.max_new_tokens)
+    kw = dict(temperature=args.temperature, seed=args.seed, max_new_tokens=args.max_new_tokens,
+              repeats=args.repeats,
+              capacity=cache_size_for(model, prompts, args.max_new_tokens))
+    probe_rows = []
+    if sizes:
+        block_sizes, probe_rows = probe(model, prompts, schedules, sizes, block_sizes, **kw)
+        print(probe_markdown(probe_rows, block_sizes) + "\n")
+    per = run(model, prompts, schedules, block_sizes, **kw)
     summary = summarize(name, args.task, per, block_sizes, model.config.block_size, args.resamples)
-    summary["temperature"] = args.temperature
+    summary.update(temperature=args.temperature, repeats=args.repeats, probe=probe_rows)
     print(markdown(summary))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")

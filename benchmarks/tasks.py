@@ -133,10 +133,11 @@ def writingbench(path) -> list[Prompt]:
 def arithmetic(limit: int) -> list[Prompt]:
     """Held-out grade-school problems of the embedded model's corpus; exact answer."""
     from packed_ss_jax.training import corpus
+    from packed_ss_jax.training.evaluate import MAX_NEW_ARITH
 
     out = []
     for i, p in enumerate(corpus.arithmetic_test(limit)):
-        out.append(Prompt(f"arithmetic/{i}", p.prompt, 96,
+        out.append(Prompt(f"arithmetic/{i}", p.prompt, MAX_NEW_ARITH,
                           lambda text, a=p.answer: corpus.parse_answer(text) == a))
     return out
 

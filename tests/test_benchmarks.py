@@ -105,11 +105,23 @@ def test_loader_errors(tmp_path):
         tasks.load("nope", None, None)
 
 
-def test_call_counts():
-    assert timing.call_counts("ar", 10, 10, True) == {"prefill": 1, "single": 9}
-    assert timing.call_counts("linear", 7, 4, True) == {"prefill": 1, "draft": 3, "verify": 3}
-    assert timing.call_counts("packed", 6, 6, True) == {"first_call": 1, "packed": 5}
-    assert timing.call_counts("packed", 7, 6, False) == {"prefill": 1, "draft": 1, "packed": 5}
+def test_doubled_model_decodes_identically_with_twice_the_forwards():
+    import packed_ss_jax as ps
+
+    m = ps.load()
+    d = timing.Doubled(m)
+    assert d.key != m.key and d.config is m.config
+    prompt = tasks.load("arithmetic", None, 1)[0].text
+    for s in ("ar", "linear", "packed", "quadratic"):
+        a = ps.decode(m, prompt, schedule=s, block_size=4, max_new_tokens=12, cache_size=128)
+        b = ps.decode(d, prompt, schedule=s, block_size=4, max_new_tokens=12, cache_size=128)
+        assert (a.tokens, a.nfe, a.iterations) == (b.tokens, b.nfe, b.iterations)
+    # twice the matmuls in the compiled step: the HLO of the doubled program has twice the dots
+    from packed_ss_jax import engine
+
+    texts = {k[0][0]: exe.as_text() for k, exe in engine._compiled.items()
+             if isinstance(k[1], engine.Program) and k[1].schedule == "ar" and k[1].capacity == 128}
+    assert texts["doubled"].count(" dot(") == 2 * texts["transformer"].count(" dot(")
 
 
 def test_block_size_spec():
@@ -138,3 +150,53 @@ def test_end_to_end_small(tmp_path, capsys):
     assert p["throughput_ratio_ci95"][0] <= p["throughput_ratio"] <= p["throughput_ratio_ci95"][1]
     assert plot.stat().st_size > 1000
     assert "| packed |" in capsys.readouterr().out
+
+
+def test_probe_picks_fastest_block_size(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = bench.main(["--task", "arithmetic", "--limit", "12", "--schedules", "ar,linear,packed",
+                     "--probe", "2,4,4", "--block-size", "linear=3", "--max-new-tokens", "6",
+                     "--resamples", "200", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    rows = r["probe"]
+    assert [(x["schedule"], x["block_size"]) for x in rows] == [("packed", 2), ("packed", 4)]
+    fastest = max(rows, key=lambda x: x["throughput_tok_s"])["block_size"]
+    assert r["results"]["packed"]["block_size"] == fastest
+    assert r["results"]["linear"]["block_size"] == 3          # --block-size wins over the probe
+    # the probe decodes the first ten prompts only (greedy: the same tokens at every B)
+    first_ten = sum(r["per_prompt"]["packed"]["tokens"][:bench.PROBE_PROMPTS])
+    assert all(x["tokens"] == first_ten for x in rows)
+    assert "block-size probe" in capsys.readouterr().out
+
+
+def test_repeats_keep_the_fastest_decode(monkeypatch):
+    """Every prompt is decoded `repeats` times per schedule, schedules in turn, and the
+    fastest wall time is the one reported."""
+    import dataclasses
+
+    import packed_ss_jax as ps
+
+    real, calls = ps.decode, []
+
+    def decode(model, prompt, **kw):
+        r = real(model, prompt, **kw)
+        calls.append((prompt, kw["schedule"]))
+        return dataclasses.replace(r, wall_s=[0.3, 0.2, 0.1][(len(calls) - 1) // 2 % 3])
+
+    monkeypatch.setattr(ps, "decode", decode)
+    prompts = tasks.load("arithmetic", None, 2)
+    per = bench.run(ps.load(), prompts, ["ar", "packed"], {"ar": None, "packed": 4},
+                    capacity=256, max_new_tokens=4, repeats=3, model_time=False, progress=False)
+    runs = calls[2:]                                          # after the warm-up decodes
+    assert runs == [(p.text, s) for p in prompts for _ in range(3) for s in ("ar", "packed")]
+    assert per["ar"]["wall_s"] == per["packed"]["wall_s"] == [0.1, 0.1]
+
+
+@pytest.mark.parametrize("flags, message", [(["--probe", "1,4"], "--probe"),
+                                            (["--probe", ","], "--probe"),
+                                            (["--probe", "4", "--block-size", "8"], "nothing to probe"),
+                                            (["--repeats", "0"], "--repeats")])
+def test_probe_and_repeat_errors(flags, message, capsys):
+    assert bench.main(["--limit", "1"] + flags) == 2
+    assert message in capsys.readouterr().err

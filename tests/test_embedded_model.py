@@ -75,3 +75,22 @@ def test_cli_missing_model_path_is_a_clear_error(tmp_path, capsys):
     assert cli.main(["generate", "hello", "--model", str(missing)]) == 2
     err = capsys.readouterr().err
     assert str(missing) in err and "no such directory" in err
+
+
+def test_problems_fit_the_training_window_and_the_output_cap(embedded):
+    """With the shipped tokenizer, a whole problem (BOS ... EOS) fits one training window,
+    so the answer line is always trained, and every solution fits the evaluation cap."""
+    import itertools
+
+    from benchmarks import tasks
+    from packed_ss_jax.training.evaluate import MAX_NEW_ARITH
+    from packed_ss_jax.training.train import TrainConfig
+
+    tok = embedded.tokenizer
+    cap = tasks.arithmetic(1)[0].max_new_tokens
+    assert cap == MAX_NEW_ARITH
+    probs = list(itertools.islice(corpus.arithmetic("train"), 3000)) + corpus.arithmetic_test(200)
+    for p in probs:
+        assert len(tok.encode(p.text).ids) + 1 <= TrainConfig().seq_len, p.text
+        answer = tok.encode(p.text).ids[len(tok.encode(p.prompt).ids):]
+        assert len(answer) + 1 <= cap, p.text

@@ -3,9 +3,11 @@ reloads (through `packed_ss_jax.load`, the real-checkpoint path) to identical lo
 
 import itertools
 import json
+import re
 
 import jax
 import numpy as np
+import pytest
 
 import packed_ss_jax as ps
 from packed_ss_jax import model as model_lib
@@ -102,3 +104,61 @@ def test_losses_fall_and_export_reloads_identically(tmp_path):
     mine = ps.logits(ps.Model(config=c, params=params), tokens, positions, mask)
     theirs = ps.logits(loaded, tokens, positions, mask)
     np.testing.assert_array_equal(mine, theirs)
+
+
+def test_recall_sheets_repeat_each_list_exactly():
+    sheets = list(itertools.islice(corpus.recall(seed=3), 50))
+    assert sheets == list(itertools.islice(corpus.recall(seed=3), 50))   # seeded
+    for sheet in sheets:
+        lines = sheet.split("\n")
+        assert len(lines) == 8
+        for first, again in zip(lines[::2], lines[1::2]):
+            assert first.startswith("List: ") and again.startswith("Again: ")
+            assert first.removeprefix("List: ") == again.removeprefix("Again: ")
+        words = set(" ".join(lines[::2]).replace("List: ", " ").split())
+        known = {w for n in corpus.NAMES + corpus.ITEMS + corpus.CONTAINERS for w in n.split()}
+        assert words <= known | {str(i) for i in range(100)}
+    assert sheets != list(itertools.islice(corpus.recall(seed=4), 50))
+
+
+def test_problem_solutions_check_out():
+    """The templates pass the right operands to the working: every equation in a solution is
+    true, and the answer line is the generator's answer."""
+    checked = 0
+    for p in itertools.islice(corpus.arithmetic("train"), 2000):
+        assert corpus.parse_answer(p.solution) == p.answer
+        eqs = re.findall(r"(\d+) ([-+*/]) (\d+)(?: \([^)]*\))? = (\d+)", p.solution)
+        assert eqs, p.solution
+        for a, op, b, c in eqs:
+            assert eval(f"{a} {op} {b}") == int(c), p.solution
+        checked += len(eqs)
+    assert checked > 2000
+
+
+def test_warm_up_mix_then_main_mix():
+    tc = train_lib.TrainConfig(steps=100, warm_fraction=0.25)
+    assert [tc.mix_at(i) for i in (1, 25, 26, 100)] == [tc.warm_mix] * 2 + [tc.mix] * 2
+    with pytest.raises(ValueError, match="5 non-negative weights"):
+        train_lib.TrainConfig(mix=(0.65, 0.25, 0.05, 0.05))
+
+
+
+def test_column_working_is_correct_arithmetic():
+    """Every step of the written-out sums and differences is a true one-digit fact and the
+    tens result followed by the ones digit spells the answer."""
+
+    for a in range(0, 100):
+        for b in range(0, 100):
+            for text, op, want in ([(corpus.plus(a, b), "+", a + b)] +
+                                   ([(corpus.minus(a, b), "-", a - b)] if b <= a else [])):
+                head, work, tail = re.fullmatch(r"(.*) \((.*)\) = (\d+)", text).groups()
+                assert head == f"{a} {op} {b}" and int(tail) == want
+                ones, tens = work.split(",")
+                x, y, z = map(int, re.split(r"[-+=]", ones))
+                assert (x + y if op == "+" else x - y) == z and 0 <= z < 20
+                assert x % 10 == a % 10 and y == b % 10
+                t = list(map(int, re.split(r"[-+=]", tens)))
+                assert (t[0] + t[1] + t[2] if op == "+" else t[0] - t[1] - t[2]) == t[3]
+                carry = z // 10 if op == "+" else x // 10
+                assert t[:3] == [a // 10, b // 10, carry]
+                assert (10 * t[3] + z % 10) == want

@@ -1,13 +1,18 @@
 """The training corpus: built offline from the generator below and the interpreter itself.
 
-Three sources, each split into disjoint train and test parts:
+Three sources, each split into disjoint train and test parts (five training streams:
+problems, drills, recall, code, prose):
 
 * arithmetic: grade-school word problems with a step-by-step solution and a final
-  answer line `#### N`, generated from a seed; a problem belongs to the test split
-  when the hash of its question text falls in the test bucket, so no question text
-  is ever in both splits. Training also reads practice sheets of bare equations
+  answer line `#### N`, generated from a seed; sums and differences are worked in
+  columns, ones first (`28 + 9 (8+9=17,2+0+1=3) = 37`, see `plus` / `minus`); a problem
+  belongs to the test split when the hash of its question text falls in the test
+  bucket, so no question text is ever in both splits. Training also reads practice
+  sheets of equations
   (`drills`: the addition, subtraction, multiplication and division facts the
-  solutions use), which carry no word problem;
+  solutions use, worked the same way) and copying sheets (`recall`: random lists of the
+  names, items, containers and numbers the problems use, each written twice), which
+  carry no word problem;
 * code: Python source files of the standard library (`Lib/*.py`), split by file name;
 * prose: English text bundled with the interpreter: the docstrings of the standard
   library (read with `ast`, nothing is imported) and the `pydoc_data` help topics,
@@ -69,10 +74,30 @@ class Problem:
         return f"{self.prompt} {self.solution}"
 
 
+def plus(a: int, b: int) -> str:
+    """`a + b (working) = c`, the working in columns, ones first: `(8+9=17,2+0+1=3)` for
+    28 + 9 is the ones sum, then the tens with the carry. Every step is a one-digit fact
+    a small model can memorise (as it does the times table), where `28 + 9 = 37` in one
+    step asks it to find the carry before writing the first digit."""
+    ones = a % 10 + b % 10
+    carry = ones // 10
+    return (f"{a} + {b} ({a % 10}+{b % 10}={ones},"
+            f"{a // 10}+{b // 10}+{carry}={a // 10 + b // 10 + carry}) = {a + b}")
+
+
+def minus(a: int, b: int) -> str:
+    """`a - b (working) = c` for a >= b >= 0, in columns: `(15-7=8,4-1-1=2)` for 45 - 17
+    (the ones borrow ten when they must; the tens pay it back)."""
+    borrow = int(a % 10 < b % 10)
+    top = a % 10 + 10 * borrow
+    return (f"{a} - {b} ({top}-{b % 10}={top - b % 10},"
+            f"{a // 10}-{b // 10}-{borrow}={a // 10 - b // 10 - borrow}) = {a - b}")
+
+
 def _add(r, name, item):
     a, b = r.randint(2, 30), r.randint(2, 20)
     q = f"{name} has {a} {item}. {name} gets {b} more {item}. How many {item} does {name} have now?"
-    s = f"{name} has {a} + {b} = {a + b} {item} now.\n#### {a + b}"
+    s = f"{name} has {plus(a, b)} {item} now.\n#### {a + b}"
     return q, s, a + b
 
 
@@ -80,7 +105,7 @@ def _sub(r, name, item):
     a = r.randint(10, 50)
     b = r.randint(1, a - 1)
     q = f"{name} has {a} {item}. {name} gives away {b} {item}. How many {item} are left?"
-    s = f"{name} has {a} - {b} = {a - b} {item} left.\n#### {a - b}"
+    s = f"{name} has {minus(a, b)} {item} left.\n#### {a - b}"
     return q, s, a - b
 
 
@@ -106,7 +131,7 @@ def _packs_plus(r, name, item):
     q = (f"{name} has {a} {item}. Then {name} buys {b} {box} with {c} {item} in each. "
          f"How many {item} does {name} have in total?")
     s = (f"The {box} hold {b} * {c} = {b * c} {item}.\n"
-         f"{name} has {a} + {b * c} = {a + b * c} {item} in total.\n#### {a + b * c}")
+         f"{name} has {plus(a, b * c)} {item} in total.\n#### {a + b * c}")
     return q, s, a + b * c
 
 
@@ -116,7 +141,7 @@ def _earn_spend(r, name, item):
     q = (f"{name} earns {a} dollars a day for {b} days and then spends {c} dollars at "
          f"{r.choice(PLACES)}. How many dollars does {name} have left?")
     s = (f"{name} earns {a} * {b} = {a * b} dollars.\n"
-         f"{name} has {a * b} - {c} = {a * b - c} dollars left.\n#### {a * b - c}")
+         f"{name} has {minus(a * b, c)} dollars left.\n#### {a * b - c}")
     return q, s, a * b - c
 
 
@@ -125,8 +150,8 @@ def _two_friends(r, name, item):
     a, b = r.randint(2, 20), r.randint(2, 15)
     q = (f"{name} has {a} {item}. {other} has {b} more {item} than {name}. "
          f"How many {item} do they have together?")
-    s = (f"{other} has {a} + {b} = {a + b} {item}.\n"
-         f"Together they have {a} + {a + b} = {2 * a + b} {item}.\n#### {2 * a + b}")
+    s = (f"{other} has {plus(a, b)} {item}.\n"
+         f"Together they have {plus(a, a + b)} {item}.\n#### {2 * a + b}")
     return q, s, 2 * a + b
 
 
@@ -135,8 +160,8 @@ def _buy_eat(r, name, item):
     c = r.randint(1, a + b - 1)
     q = (f"{name} has {a} {item}, buys {b} more at {r.choice(PLACES)} and then uses {c} of them. "
          f"How many {item} does {name} have left?")
-    s = (f"After buying, {name} has {a} + {b} = {a + b} {item}.\n"
-         f"After using some, {name} has {a + b} - {c} = {a + b - c} {item} left.\n#### {a + b - c}")
+    s = (f"After buying, {name} has {plus(a, b)} {item}.\n"
+         f"After using some, {name} has {minus(a + b, c)} {item} left.\n#### {a + b - c}")
     return q, s, a + b - c
 
 
@@ -146,7 +171,7 @@ def _price(r, name, item):
     q = (f"Each of the {item} costs {a} dollars. {name} buys {b} of them and pays with "
          f"{c} dollars. How much change does {name} get?")
     s = (f"The {item} cost {a} * {b} = {a * b} dollars.\n"
-         f"The change is {c} - {a * b} = {c - a * b} dollars.\n#### {c - a * b}")
+         f"The change is {minus(c, a * b)} dollars.\n#### {c - a * b}")
     return q, s, c - a * b
 
 
@@ -185,11 +210,11 @@ def _drill_line(r: random.Random) -> str:
     op = r.random()
     if op < 0.35:
         a, b = r.randint(0, 60), r.randint(0, 40)
-        return f"{a} + {b} = {a + b}"
+        return plus(a, b)
     if op < 0.65:
         a = r.randint(1, 80)
         b = r.randint(0, a)
-        return f"{a} - {b} = {a - b}"
+        return minus(a, b)
     if op < 0.9:
         a, b = r.randint(1, 10), r.randint(1, 10)
         return f"{a} * {b} = {a * b}"
@@ -203,6 +228,29 @@ def drills(seed: int = 0) -> Iterator[str]:
     r = random.Random(f"drill-{seed}")
     while True:
         yield "Arithmetic practice:\n" + "\n".join(_drill_line(r) for _ in range(12))
+
+
+def _recall_pair(r: random.Random) -> str:
+    # Each word: a name, an item, a container or a number (numbers twice as likely).
+    # (Candidates of every kind are drawn for every word: the shipped model's stream.)
+    words = [r.choice((r.choice(NAMES), r.choice(ITEMS), r.choice(CONTAINERS),
+                       str(r.randint(0, 99)), str(r.randint(0, 99))))
+             for _ in range(r.randint(3, 10))]
+    line = " ".join(words)
+    return f"List: {line}\nAgain: {line}"
+
+
+def recall(seed: int = 0) -> Iterator[str]:
+    """An endless, seeded stream of copying sheets (4 lists, each repeated once).
+
+    A solution restates the question's names, items and numbers, so a model must look
+    them up in its context (an induction head). Random lists make that look-up the only
+    way to predict the repeat, which teaches it in far fewer steps than the problems
+    alone, where the template text dominates the loss. Train split only.
+    """
+    r = random.Random(f"recall-{seed}")
+    while True:
+        yield "\n".join(_recall_pair(r) for _ in range(4))
 
 
 def parse_answer(text: str) -> int | None:

@@ -17,10 +17,11 @@ import numpy as np
 from . import corpus
 
 SCHEDULES = ("ar", "linear", "quadratic", "packed")
+MAX_NEW_ARITH = 96  # longest solution + EOS is 80 tokens (checked by the tests)
 
 
 def evaluate(model, n_arith: int = 200, n_other: int = 10, block_size: int | None = None,
-             max_new_arith: int = 96, max_new_other: int = 48, schedules=SCHEDULES,
+             max_new_arith: int = MAX_NEW_ARITH, max_new_other: int = 48, schedules=SCHEDULES,
              progress: bool = True) -> dict:
     import packed_ss_jax as ps
 

@@ -21,9 +21,12 @@ from . import corpus, export, objective
 from .tokenizer import special_ids, train_tokenizer
 
 
+SOURCES = ("problems", "drills", "recall", "code", "prose")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 1200
+    steps: int = 3300
     batch: int = 8
     seq_len: int = 128
     lr: float = 2.5e-3
@@ -31,13 +34,30 @@ class TrainConfig:
     weight_decay: float = 0.05
     ar_weight: float = 1.0
     diff_weight: float = 0.3
-    mix: tuple[float, ...] = (0.65, 0.25, 0.05, 0.05)  # problems, drills, code, prose
+    mix: tuple[float, ...] = (0.6, 0.2, 0.1, 0.05, 0.05)  # weights of SOURCES
+    # The first `warm_fraction` of the steps sample `warm_mix`, mostly copying sheets: a
+    # model learns to look tokens up in its context (which every solution needs) from
+    # them in a few hundred steps, and far more slowly from the problems alone.
+    warm_mix: tuple[float, ...] = (0.3, 0.1, 0.6, 0.0, 0.0)
+    warm_fraction: float = 0.2
     n_problems: int = 60000
     n_drills: int = 30000
+    n_recall: int = 30000
     vocab_size: int = 2048
     tokenizer_problems: int = 20000
     seed: int = 0
     log_every: int = 25
+
+    def __post_init__(self):
+        for name in ("mix", "warm_mix"):
+            w = getattr(self, name)
+            if len(w) != len(SOURCES) or min(w) < 0 or sum(w) <= 0:
+                raise ValueError(f"TrainConfig.{name} needs {len(SOURCES)} non-negative weights "
+                                 f"({', '.join(SOURCES)}), not all zero; got {w}")
+
+    def mix_at(self, step: int) -> tuple[float, ...]:
+        """The sampling weights of the sources at 1-based `step`."""
+        return self.warm_mix if step <= round(self.warm_fraction * self.steps) else self.mix
 
 
 def model_config(vocab: int, ids: dict, *, hidden=256, layers=4, heads=8, kv_heads=4,
@@ -58,7 +78,9 @@ class Streams:
         r = np.random.default_rng(tc.seed)
         probs = list(itertools.islice(corpus.arithmetic(split, tc.seed), tc.n_problems))
         drills = list(itertools.islice(corpus.drills(tc.seed), tc.n_drills))
-        sources = [[p.text for p in probs], drills, corpus.code(split), corpus.prose(split)]
+        recall = list(itertools.islice(corpus.recall(tc.seed), tc.n_recall))
+        sources = [[p.text for p in probs], drills, recall, corpus.code(split),
+                   corpus.prose(split)]
         self.streams, self.starts = [], []
         for docs in sources:
             enc = tok.encode_batch(docs)
@@ -66,13 +88,12 @@ class Streams:
             ids = [np.asarray(enc[i].ids + [eos], np.int32) for i in order]
             self.streams.append(np.concatenate(ids))
             self.starts.append(np.cumsum([0] + [len(x) for x in ids[:-1]]))
-        self.mix = np.asarray(tc.mix) / np.sum(tc.mix)
 
     def sizes(self) -> list[int]:
         return [len(s) for s in self.streams]
 
-    def batch(self, rng: np.random.Generator, n: int, L: int) -> np.ndarray:
-        src = rng.choice(len(self.streams), size=n, p=self.mix)
+    def batch(self, rng: np.random.Generator, n: int, L: int, mix) -> np.ndarray:
+        src = rng.choice(len(self.streams), size=n, p=np.asarray(mix) / np.sum(mix))
         out = np.empty((n, L), np.int32)
         for i, s in enumerate(src):
             # Windows start at a document start (BOS at position 0, as at inference), so
@@ -129,7 +150,7 @@ def train(out_dir: str | Path, tc: TrainConfig = TrainConfig(), model_kw: dict |
     ids = special_ids(tokenizer)
     c = model_config(tokenizer.get_vocab_size(), ids, **(model_kw or {}))
     streams = Streams(tokenizer, tc)
-    say(f"tokenizer: {c.vocab_size} tokens; corpus tokens (problems, drills, code, prose): "
+    say(f"tokenizer: {c.vocab_size} tokens; corpus tokens ({', '.join(SOURCES)}): "
         f"{streams.sizes()}; {time.monotonic() - t_start:.0f}s")
 
     params = model_lib.init_params(c, jax.random.PRNGKey(tc.seed))
@@ -140,17 +161,17 @@ def train(out_dir: str | Path, tc: TrainConfig = TrainConfig(), model_kw: dict |
     step = make_step(c, tx, tc.ar_weight, tc.diff_weight)
     rng = np.random.default_rng(tc.seed + 1)
 
-    def next_batch():
-        clean = streams.batch(rng, tc.batch, tc.seq_len)
+    def next_batch(i):
+        clean = streams.batch(rng, tc.batch, tc.seq_len, tc.mix_at(i))
         return objective.noise_batch(rng, clean, c.mask_token_id)
 
     log, t0 = [], time.monotonic()
     ar_avg = diff_avg = float("nan")
-    batch = next_batch()
+    batch = next_batch(1)
     i = 0
     for i in range(1, tc.steps + 1):
         params, opt_state, loss, ar, diff = step(params, opt_state, *batch)
-        batch = next_batch()  # prepared while the step runs
+        batch = next_batch(i + 1)  # prepared while the step runs
         if i % tc.log_every == 0 or i == tc.steps or i == 1:
             ar_avg, diff_avg = float(ar), float(diff)
             log.append({"step": i, "ar": ar_avg, "diff": diff_avg, "loss": float(loss),
