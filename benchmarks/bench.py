@@ -1,7 +1,7 @@
 """`packed-ss bench`: the paper's measurements for chosen schedules on one task.
 
-Batch size 1, one prompt at a time (optionally several times, keeping the fastest). Per schedule: tokens (total, mean), decoder wall
-time, NFE, tokens/NFE, time/NFE, throughput (total tokens / total wall), the split of
+Batch size 1, one prompt at a time (optionally several times, keeping the fastest).
+Per schedule: tokens (total, mean), decoder wall time, NFE, tokens/NFE, time/NFE, throughput (total tokens / total wall), the split of
 wall time into model execution and non-model decoder work, the accepted-length
 histogram and task accuracy. Packed-SS is compared with each baseline by paired
 bootstrap intervals over prompts (same resampled indices for every method).
