@@ -1,13 +1,14 @@
 """`packed-ss bench`: the paper's measurements for chosen schedules on one task.
 
 Batch size 1, one prompt at a time (optionally several times, keeping the fastest).
-Per schedule: tokens (total, mean), decoder wall time, NFE, tokens/NFE, time/NFE, throughput (total tokens / total wall), the split of
-wall time into model execution and non-model decoder work, the accepted-length
-histogram and task accuracy. Packed-SS is compared with each baseline by paired
-bootstrap intervals over prompts (same resampled indices for every method).
-Compilation is excluded: every program is compiled before it is timed (AOT), and each
-schedule is warmed up on the first prompt. Block sizes are given, or chosen per
-schedule by the paper's throughput probe on the first prompts (App. F.1).
+Per schedule: tokens (total, mean), decoder wall time, NFE, tokens/NFE, time/NFE,
+throughput (total tokens / total wall), the split of wall time into model execution and
+non-model decoder work, the accepted-length histogram and task accuracy. Packed-SS is
+compared with each baseline by paired bootstrap intervals over prompts (same resampled
+indices for every method). Compilation is excluded: every program is compiled before
+it is timed (AOT), and each schedule is warmed up on the first prompt. Block sizes are
+given, or chosen per schedule by the paper's throughput probe on the first prompts
+(App. F.1).
 """
 
 from __future__ import annotations
