@@ -90,16 +90,26 @@ def _store(s: State, w, z, q: StoredQ, A) -> State:
     return s.replace(q=q, q_out=jnp.where(w.active, w.out, -1))
 
 
-def packed(m, params, s: State, *, W: int, sampler: Sampler) -> State:
+def _call_and_verify(m, params, s: State, W: int, sampler: Sampler, layout, proposal_rows: int):
+    """The start of a one-call step (Packed, Quadratic): one call over the window's M rows
+    (which verify the stored drafts against their stored Q) and `proposal_rows` drafting
+    rows. Returns the state, window, p, the drafting rows' logits, kv, h, v and the key
+    left for drawing the next drafts."""
     s, (k_verify, k_draft) = _split(s, 2)
     w = window(s, W, "ltr", use_drafts=True)
     n_tok, n_out, p = _n(s)
     drafts = s.draft[w.out]
-    call = layouts.packed(s.n, n_tok, n_out, p, w, drafts, m.mask_id)
-    logits, kv = _run(m, params, call, s, 1 + W + jnp.arange(2 * W))  # M then R rows
+    call = layout(s.n, n_tok, n_out, p, w, drafts, m.mask_id)
+    logits, kv = _run(m, params, call, s, 1 + W + jnp.arange(W + proposal_rows))
     h, v = _verify(k_verify, target(logits[:W], sampler, m.mask_id), drafts, w.kappa,
                    _stored_q(s, w))
-    q = sampling.proposal(logits[W:], sampler, m.mask_id)  # from P_{t-1}
+    return s, w, p, logits[W:], kv, h, v, k_draft
+
+
+def packed(m, params, s: State, *, W: int, sampler: Sampler) -> State:
+    s, w, p, r_logits, kv, h, v, k_draft = _call_and_verify(m, params, s, W, sampler,
+                                                            layouts.packed, W)  # M then R
+    q = sampling.proposal(r_logits, sampler, m.mask_id)  # from P_{t-1}
     z = q.sample(k_draft)
     A = jnp.minimum(h + 1, w.u)
     s = _verified(s, w, v, h, kv, p, A)
@@ -109,17 +119,11 @@ def packed(m, params, s: State, *, W: int, sampler: Sampler) -> State:
 
 
 def quadratic(m, params, s: State, *, W: int, sampler: Sampler) -> State:
-    s, (k_verify, k_draft) = _split(s, 2)
-    w = window(s, W, "ltr", use_drafts=True)
-    n_tok, n_out, p = _n(s)
-    drafts = s.draft[w.out]
-    call = layouts.quadratic(s.n, n_tok, n_out, p, w, drafts, m.mask_id)
-    logits, kv = _run(m, params, call, s, 1 + W + jnp.arange(W + W * W))  # M, branches
-    h, v = _verify(k_verify, target(logits[:W], sampler, m.mask_id), drafts, w.kappa,
-                   _stored_q(s, w))
+    s, w, p, b_logits, kv, h, v, k_draft = _call_and_verify(m, params, s, W, sampler,
+                                                            layouts.quadratic, W * W)  # M, branches
     A = jnp.minimum(h + 1, w.u)
     # The next drafts come from the branch of the accepted prefix only (h drafts).
-    branch = logits[W:].reshape(W, W, -1)[jnp.minimum(h, W - 1)]
+    branch = b_logits.reshape(W, W, -1)[jnp.minimum(h, W - 1)]
     q = sampling.proposal(branch, sampler, m.mask_id)
     z = q.sample(k_draft)
     s = _verified(s, w, v, h, kv, p, A)
