@@ -8,11 +8,10 @@ problems, drills, recall, code, prose):
   columns, ones first (`28 + 9 (8+9=17,2+0+1=3) = 37`, see `plus` / `minus`); a problem
   belongs to the test split when the hash of its question text falls in the test
   bucket, so no question text is ever in both splits. Training also reads practice
-  sheets of equations
-  (`drills`: the addition, subtraction, multiplication and division facts the
-  solutions use, worked the same way) and copying sheets (`recall`: random lists of the
-  names, items, containers and numbers the problems use, each written twice), which
-  carry no word problem;
+  sheets of equations (`drills`: the addition, subtraction, multiplication and division
+  facts the solutions use, worked the same way) and copying sheets (`recall`: random
+  lists of the names, items, containers and numbers the problems use, each written
+  twice), which carry no word problem;
 * code: Python source files of the standard library (`Lib/*.py`), split by file name;
 * prose: English text bundled with the interpreter: the docstrings of the standard
   library (read with `ast`, nothing is imported) and the `pydoc_data` help topics,
