@@ -22,9 +22,20 @@ class Model:
     """A config, its params and (optionally) a tokenizer: what `decode` and `logits` take."""
 
     config: ModelConfig
-    params: Any
+    params: Any             # kept in the decoding layout (see `model.unstack_layers`)
     tokenizer: Any = None
     source: str | None = None
+
+    def __post_init__(self):
+        # Params arrive in the stored layout (checkpoints, training); the decode programs
+        # read each layer's weights from their own buffers, so split them once, here.
+        if self.params is not None:
+            object.__setattr__(self, "params", model_lib.unstack_layers(self.params))
+
+    @property
+    def stored_params(self):
+        """The params in the stored layout (`layers` stacked), as checkpoints hold them."""
+        return model_lib.stack_layers(self.params)
 
     @property
     def key(self):

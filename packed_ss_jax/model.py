@@ -11,7 +11,14 @@ Every row sees the first `cache_len` cache slots; among the new rows, `mask`
 written: the decoder commits the accepted ones (see `cache.py`). RoPE is applied
 before caching, so a cache slot keeps its own position whatever its slot index.
 
-Layers are stacked and run with `nn.scan`, so compile time does not grow with depth.
+Params come in two layouts of the same weights. Stored (checkpoints, training):
+`params["layers"]` holds every layer's weights stacked on a leading axis and the
+layers run under `nn.scan`, so compile time does not grow with depth. Decoding:
+`layer_0 .. layer_{L-1}`, one buffer per weight, the layers unrolled. The decoding
+layout exists because a scanned layer slices its weights out of the stacked buffers
+at a traced index, and XLA materialises those slices: every call would copy all the
+weights once more before reading them (on the embedded model that copy was 60% of an
+AR step). `unstack_layers` / `stack_layers` convert; `forward` takes either.
 The Nemotron (Ministral-3) and SetDLM (Qwen3: per-head q/k RMSNorm, tied head)
 backbones are the same module with different config switches.
 """
@@ -123,6 +130,7 @@ class DecoderLayer(nn.Module):
 
 class Transformer(nn.Module):
     c: ModelConfig
+    unrolled: bool = False  # the decoding params layout (see module doc)
 
     @nn.compact
     def __call__(self, tokens, positions, mask, cache: KV, cache_len, draft_rows, out_rows=None):
@@ -134,14 +142,23 @@ class Transformer(nn.Module):
         S = cache["k"].shape[1]
         seen_cache = jnp.broadcast_to(jnp.arange(S)[None, :] < cache_len, (tokens.shape[0], S))
         full_mask = jnp.concatenate([seen_cache, mask], axis=1)  # [T, S + T]
-        layers = nn.scan(
-            DecoderLayer,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
-            length=c.num_layers,
-        )(c, name="layers")
-        h, kv = layers(h, cache, cos, sin, q_scale, full_mask, draft_rows)
+        shared = (cos, sin, q_scale, full_mask, draft_rows)
+        if self.unrolled:
+            kvs = []
+            for i in range(c.num_layers):
+                layer_cache = jax.tree.map(lambda a: a[i], cache)
+                h, kv = DecoderLayer(c, name=f"layer_{i}")(h, layer_cache, *shared)
+                kvs.append(kv)
+            kv = jax.tree.map(lambda *a: jnp.stack(a), *kvs)
+        else:
+            layers = nn.scan(
+                DecoderLayer,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+                length=c.num_layers,
+            )(c, name="layers")
+            h, kv = layers(h, cache, *shared)
         if out_rows is not None:  # the head is the largest matmul: run it only where read
             h = h[out_rows]
         h = RMSNorm(c.rms_norm_eps, dt, name="final_norm")(h)
@@ -167,8 +184,33 @@ def forward(c: ModelConfig, params: Params, tokens, positions, mask, cache: KV, 
     """
     if draft_rows is None:
         draft_rows = jnp.zeros(tokens.shape, bool)
-    return Transformer(c).apply({"params": params}, tokens, positions, mask, cache, cache_len,
-                                draft_rows, out_rows)
+    module = Transformer(c, unrolled=is_unstacked(params))
+    return module.apply({"params": params}, tokens, positions, mask, cache, cache_len,
+                        draft_rows, out_rows)
+
+
+def is_unstacked(params) -> bool:
+    return "layers" not in params
+
+
+def unstack_layers(params: Params) -> Params:
+    """Stored layout -> decoding layout: `layers` (stacked) becomes `layer_0 .. layer_{L-1}`.
+    A params tree already in the decoding layout is returned as it is."""
+    if is_unstacked(params):
+        return params
+    rest = {k: v for k, v in params.items() if k != "layers"}
+    stacked = params["layers"]
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    return rest | {f"layer_{i}": jax.tree.map(lambda a: a[i], stacked) for i in range(n)}
+
+
+def stack_layers(params: Params) -> Params:
+    """Decoding layout -> stored layout (the inverse of `unstack_layers`)."""
+    if not is_unstacked(params):
+        return params
+    names = sorted((k for k in params if k.startswith("layer_")), key=lambda k: int(k[6:]))
+    rest = {k: v for k, v in params.items() if k not in names}
+    return rest | {"layers": jax.tree.map(lambda *a: jnp.stack(a), *(params[k] for k in names))}
 
 
 @functools.lru_cache(maxsize=None)

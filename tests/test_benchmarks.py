@@ -200,3 +200,15 @@ def test_repeats_keep_the_fastest_decode(monkeypatch):
 def test_probe_and_repeat_errors(flags, message, capsys):
     assert bench.main(["--limit", "1"] + flags) == 2
     assert message in capsys.readouterr().err
+
+
+def test_gpu_timing_smoke_prints_every_call(capsys):
+    from benchmarks import gpu_timing
+
+    assert gpu_timing.main(["--smoke", "--repeat", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| smoke")]
+    calls = ["ar (1 row)", "linear draft", "linear verify", "packed", "quadratic"]
+    assert len(rows) == 2 * len(calls)  # two cache lengths
+    for row, name in zip(rows, calls * 2):
+        assert name in row
+        assert float(row.split("|")[4]) > 0  # ms / call

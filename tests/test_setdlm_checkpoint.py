@@ -190,8 +190,8 @@ def test_deeper_base_model_keeps_the_first_layers(setdlm, weights, setdlm_safete
     (released / "config.json").write_text(json.dumps(cfg))
     m = ps.load(released, base_config=deeper)
     assert m.config.num_layers == 1
-    np.testing.assert_array_equal(m.params["layers"]["mlp"]["up_proj"][0],
-                                  setdlm.params["layers"]["mlp"]["up_proj"][0])
+    np.testing.assert_array_equal(m.params["layer_0"]["mlp"]["up_proj"],
+                                  setdlm.params["layer_0"]["mlp"]["up_proj"])
     cfg["backbone_config"]["num_layers"] = 5
     (released / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match=r"num_layers 5 must be in \[1, 4\]"):
