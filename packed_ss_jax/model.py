@@ -4,7 +4,7 @@ The verifier (causal/AR mode) and the drafter (masked-diffusion mode) differ
 only in the attention mask, so the forward takes the mask as data:
 
     forward(params, tokens[T], positions[T], mask[T, T], cache, cache_len, draft_rows[T])
-        -> logits[T, V] float32, kv rows {"k", "v": [layers, T, kv_heads, head_dim]}
+        -> logits[T, V] float32, kv rows {"k", "v": per layer [kv_heads, T, head_dim]}
 
 Every row sees the first `cache_len` cache slots; among the new rows, `mask`
 (row attends to column) decides. New rows' keys/values are returned, never
@@ -32,11 +32,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from . import cache as cache_lib
 from . import rope
 from .config import ModelConfig
 
 Params = Any
-KV = dict[str, jnp.ndarray]
+KV = dict[str, Any]  # {"k", "v"}: a list of per-layer buffers (see cache.py)
 
 _NEG = float(jnp.finfo(jnp.float32).min)  # what the reference adds for masked entries
 
@@ -82,14 +83,24 @@ class Attention(nn.Module):
         k = rope.apply(k, cos, sin)
         q = (q.astype(jnp.float32) * q_scale[:, None, None]).astype(q.dtype)  # Llama-4 scale, after RoPE
 
-        keys = jnp.concatenate([cache_kv["k"], k], axis=0)  # [S + T, kv_heads, head_dim]
-        values = jnp.concatenate([cache_kv["v"], v], axis=0)
-        qg = q.reshape(T, c.num_kv_heads, c.num_groups, c.head_dim)  # query head h -> kv head h // G
-        scores = jnp.einsum("tkgd,skd->tkgs", qg, keys, preferred_element_type=jnp.float32)
+        # Head-major [kv_heads, rows, head_dim], as the cache is stored: the kv head is the
+        # batch axis of both attention products, so the cache is read where it lies. The
+        # cache and the new rows are two key blocks under one softmax: concatenating the
+        # keys would copy the whole cache buffer in every layer.
+        k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)
+        qg = q.reshape(T, c.num_kv_heads, c.num_groups, c.head_dim).transpose(1, 0, 2, 3)
+        S = cache_kv["k"].shape[1]
+
+        def scores_over(keys):  # query head h reads kv head h // G
+            return jnp.einsum("ktgd,ksd->ktgs", qg, keys, preferred_element_type=jnp.float32)
+
+        scores = jnp.concatenate([scores_over(cache_kv["k"]), scores_over(k)], axis=-1)
         scores = scores * (1.0 / jnp.sqrt(jnp.float32(c.head_dim)))
-        scores = jnp.where(mask[:, None, None, :], scores, _NEG)
-        probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-        out = jnp.einsum("tkgs,skd->tkgd", probs, values).reshape(T, c.num_heads * c.head_dim)
+        scores = jnp.where(mask[None, :, None, :], scores, _NEG)  # mask: [T, S + T]
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = (jnp.einsum("ktgs,ksd->ktgd", probs[..., :S], cache_kv["v"])
+               + jnp.einsum("ktgs,ksd->ktgd", probs[..., S:], v))
+        out = out.transpose(1, 0, 2, 3).reshape(T, c.num_heads * c.head_dim)
 
         y = out @ wo
         if c.lora_rank:
@@ -139,18 +150,19 @@ class Transformer(nn.Module):
         h = embed[tokens]
         cos, sin = rope.cos_sin(c, positions)
         q_scale = rope.query_scale(c, positions)
-        S = cache["k"].shape[1]
+        S = cache["k"][0].shape[cache_lib.SLOT_AXIS]
         seen_cache = jnp.broadcast_to(jnp.arange(S)[None, :] < cache_len, (tokens.shape[0], S))
         full_mask = jnp.concatenate([seen_cache, mask], axis=1)  # [T, S + T]
         shared = (cos, sin, q_scale, full_mask, draft_rows)
         if self.unrolled:
-            kvs = []
+            kv = {"k": [], "v": []}
             for i in range(c.num_layers):
-                layer_cache = jax.tree.map(lambda a: a[i], cache)
-                h, kv = DecoderLayer(c, name=f"layer_{i}")(h, layer_cache, *shared)
-                kvs.append(kv)
-            kv = jax.tree.map(lambda *a: jnp.stack(a), *kvs)
-        else:
+                layer_cache = {"k": cache["k"][i], "v": cache["v"][i]}
+                h, kv_i = DecoderLayer(c, name=f"layer_{i}")(h, layer_cache, *shared)
+                kv["k"].append(kv_i["k"])
+                kv["v"].append(kv_i["v"])
+        else:  # training: the per-layer buffers are stacked for the scan (S is 0 there)
+            cache = jax.tree.map(lambda *a: jnp.stack(a), *_layers_of(cache))
             layers = nn.scan(
                 DecoderLayer,
                 variable_axes={"params": 0},
@@ -158,7 +170,8 @@ class Transformer(nn.Module):
                 in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
                 length=c.num_layers,
             )(c, name="layers")
-            h, kv = layers(h, cache, *shared)
+            h, stacked = layers(h, cache, *shared)
+            kv = {name: list(stacked[name]) for name in ("k", "v")}
         if out_rows is not None:  # the head is the largest matmul: run it only where read
             h = h[out_rows]
         h = RMSNorm(c.rms_norm_eps, dt, name="final_norm")(h)
@@ -171,9 +184,14 @@ class Transformer(nn.Module):
 
 
 def empty_cache(c: ModelConfig, size: int) -> KV:
-    """A cache of `size` slots; its slot axis is axis 1 (see cache.py)."""
-    shape = (c.num_layers, size, c.num_kv_heads, c.head_dim)
-    return {"k": jnp.zeros(shape, param_dtype(c)), "v": jnp.zeros(shape, param_dtype(c))}
+    """A cache of `size` slots: per layer, `[kv_heads, slots, head_dim]` (see cache.py)."""
+    shape = (c.num_kv_heads, size, c.head_dim)
+    return {name: [jnp.zeros(shape, param_dtype(c)) for _ in range(c.num_layers)]
+            for name in ("k", "v")}
+
+
+def _layers_of(cache: KV) -> list[KV]:
+    return [{"k": k, "v": v} for k, v in zip(cache["k"], cache["v"])]
 
 
 def forward(c: ModelConfig, params: Params, tokens, positions, mask, cache: KV, cache_len,

@@ -139,7 +139,7 @@ def advance(s: State, kv_rows, rows, accepted, count, next_x, draft, draft_len, 
             draft_q=None) -> State:
     """Commits the first `count` candidate rows (x and the accepted drafts), makes the
     correction/bonus token the next x, stores the next draft (and its Q), and emits."""
-    cache = cache_lib.commit(s.cache, kv_rows, rows, s.cache_len)
+    cache = cache_lib.commit(s.cache, kv_rows, rows, s.cache_len, after=accepted)
     s = s.replace(cache=cache, cache_len=s.cache_len + count, x=next_x, draft=draft,
                   draft_len=draft_len, nfe=s.nfe + calls,
                   draft_q=s.draft_q if draft_q is None else draft_q)

@@ -125,7 +125,7 @@ def accept(s: State, w: Window, v, take) -> State:
 
 def commit(s: State, kv_rows, rows, outs, count) -> State:
     """Appends the first `count` of the candidate rows `rows` (output indices `outs`)."""
-    cache = cache_lib.commit(s.cache, kv_rows, rows, s.cache_len)
+    cache = cache_lib.commit(s.cache, kv_rows, rows, s.cache_len, after=count)
     slot_out = jax.lax.dynamic_update_slice(s.slot_out, outs.astype(jnp.int32), (s.cache_len,))
     return s.replace(cache=cache, slot_out=slot_out, cache_len=s.cache_len + count)
 
@@ -173,7 +173,7 @@ def _compact(s: State, E) -> State:
     S = s.slot_out.shape[0]
     live = (jnp.arange(S) < s.cache_len) & (s.slot_out < E)
     order = jnp.argsort(~live, stable=True)
-    cache = jax.tree.map(lambda buf: jnp.take(buf, order, axis=1), s.cache)
+    cache = jax.tree.map(lambda buf: jnp.take(buf, order, axis=cache_lib.SLOT_AXIS), s.cache)
     return s.replace(cache=cache, slot_out=s.slot_out[order],
                      cache_len=jnp.sum(live).astype(jnp.int32))
 
