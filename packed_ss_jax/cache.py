@@ -39,3 +39,4 @@ def commit(cache, kv_rows, rows, start, after=None):
         return jax.lax.dynamic_update_slice_in_dim(buf, picked, start, axis=SLOT_AXIS)
 
     return jax.tree.map(write, cache, kv_rows)
+

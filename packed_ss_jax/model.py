@@ -6,7 +6,8 @@ only in the attention mask, so the forward takes the mask as data:
     forward(params, tokens[T], positions[T], mask[T, T], cache, cache_len, draft_rows[T])
         -> logits[T, V] float32, kv rows {"k", "v": per layer [kv_heads, T, head_dim]}
 
-Every row sees the first `cache_len` cache slots; among the new rows, `mask`
+Every row sees the first `cache_len` cache slots (or, when `cache_len` is a [S] bool
+vector, the slots it marks: SetDLM masks out entries past a stop); among the new rows, `mask`
 (row attends to column) decides. New rows' keys/values are returned, never
 written: the decoder commits the accepted ones (see `cache.py`). RoPE is applied
 before caching, so a cache slot keeps its own position whatever its slot index.
@@ -151,7 +152,10 @@ class Transformer(nn.Module):
         cos, sin = rope.cos_sin(c, positions)
         q_scale = rope.query_scale(c, positions)
         S = cache["k"][0].shape[cache_lib.SLOT_AXIS]
-        seen_cache = jnp.broadcast_to(jnp.arange(S)[None, :] < cache_len, (tokens.shape[0], S))
+        seen = jnp.asarray(cache_len)
+        if seen.ndim == 0:  # a count: the committed prefix
+            seen = jnp.arange(S) < seen
+        seen_cache = jnp.broadcast_to(seen[None, :], (tokens.shape[0], S))
         full_mask = jnp.concatenate([seen_cache, mask], axis=1)  # [T, S + T]
         shared = (cos, sin, q_scale, full_mask, draft_rows)
         if self.unrolled:

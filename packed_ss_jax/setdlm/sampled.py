@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from .. import sampling
 from ..sampling import Sampler, StoredQ
 from . import layouts
-from .state import (State, accept, commit, finish, first_ranks, set_pending, store_drafts,
+from .state import (State, run_call, accept, commit, finish, first_ranks, set_pending, store_drafts,
                     window)
 
 
@@ -48,11 +48,6 @@ def empty_q(sampler: Sampler, W: int, vocab: int) -> StoredQ:
 def _split(s: State, n: int):
     keys = jax.random.split(s.key, n + 1)
     return s.replace(key=keys[0]), list(keys[1:])
-
-
-def _run(m, params, call, s: State, out_rows):
-    return m.forward(params, call.tokens, call.positions, call.mask, s.cache, s.cache_len,
-                     call.draft_rows, out_rows)
 
 
 def _n(s: State):
@@ -100,7 +95,7 @@ def _call_and_verify(m, params, s: State, W: int, sampler: Sampler, layout, prop
     n_tok, n_out, p = _n(s)
     drafts = s.draft[w.out]
     call = layout(s.n, n_tok, n_out, p, w, drafts, m.mask_id)
-    logits, kv = _run(m, params, call, s, 1 + W + jnp.arange(W + proposal_rows))
+    logits, kv = run_call(m, params, call, s, 1 + W + jnp.arange(W + proposal_rows))
     h, v = _verify(k_verify, target(logits[:W], sampler, m.mask_id), drafts, w.kappa,
                    _stored_q(s, w))
     return s, w, p, logits[W:], kv, h, v, k_draft
@@ -136,12 +131,12 @@ def linear(m, params, s: State, *, W: int, sampler: Sampler) -> State:
     s, (k_verify, k_draft) = _split(s, 2)
     w = window(s, W, "ltr", use_drafts=False)
     n_tok, n_out, p = _n(s)
-    logits, kv = _run(m, params, layouts.draft(s.n, n_tok, n_out, p, w, m.mask_id), s,
+    logits, kv = run_call(m, params, layouts.draft(s.n, n_tok, n_out, p, w, m.mask_id), s,
                       1 + jnp.arange(W))
     q = sampling.proposal(logits, sampler, m.mask_id)  # from the newest prefix
     z = q.sample(k_draft)
-    s = commit(s, kv, jnp.zeros(1, jnp.int32), s.pend_out[:1], p)  # N is cached between calls
-    logits, kv = _run(m, params, layouts.verify(s.n, w, z, m.mask_id), s, W + jnp.arange(W))
+    s = commit(s, kv, jnp.zeros(1, jnp.int32), s.pend_out[:1], p, after=z)  # N, cached now
+    logits, kv = run_call(m, params, layouts.verify(s.n, w, z, m.mask_id), s, W + jnp.arange(W))
     h, v = _verify(k_verify, target(logits, sampler, m.mask_id), z, w.u, q)
     A = jnp.minimum(h + 1, w.u)
     s = accept(s, w, v, first_ranks(w, A))
@@ -156,10 +151,10 @@ def serial(m, params, s: State, *, W: int, sampler: Sampler) -> State:
     s, (k,) = _split(s, 1)
     w = window(s, 1, "ltr", use_drafts=False)
     n_tok, n_out, p = _n(s)
-    logits, kv = _run(m, params, layouts.serial(s.n, n_tok, n_out, p, w, m.mask_id), s,
+    logits, kv = run_call(m, params, layouts.serial(s.n, n_tok, n_out, p, w, m.mask_id), s,
                       jnp.ones(1, jnp.int32))
     v = sampling.sample_from(k, target(logits[0], sampler, m.mask_id))[None]
-    s = commit(s, kv, jnp.zeros(1, jnp.int32), s.pend_out[:1], p)
+    s = commit(s, kv, jnp.zeros(1, jnp.int32), s.pend_out[:1], p, after=v)
     take = first_ranks(w, 1)
     s = accept(s, w, v, take)
     s = set_pending(s, v, w.out, jnp.int32(1))

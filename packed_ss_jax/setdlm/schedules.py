@@ -18,15 +18,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from . import layouts
-from .state import (State, accept, commit, finish, first_ranks, matches, predict, set_pending,
+from .state import (State, run_call, accept, commit, finish, first_ranks, matches, predict, set_pending,
                     store_drafts, window)
 
 THRESHOLD = 0.9  # the release's confidence threshold (E.6 "Native baseline")
-
-
-def _run(m, params, call, s: State, out_rows):
-    return m.forward(params, call.tokens, call.positions, call.mask, s.cache, s.cache_len,
-                     call.draft_rows, out_rows)
 
 
 def _n(s: State):
@@ -51,7 +46,7 @@ def packed(m, params, s: State, *, W: int, order: str) -> State:
     n_tok, n_out, p = _n(s)
     drafts = s.draft[w.out]
     call = layouts.packed(s.n, n_tok, n_out, p, w, drafts, m.mask_id)
-    logits, kv = _run(m, params, call, s, 1 + W + jnp.arange(2 * W))  # M then R rows
+    logits, kv = run_call(m, params, call, s, 1 + W + jnp.arange(2 * W))  # M then R rows
     v, _ = predict(logits[:W], m.mask_id)
     z, z_prob = predict(logits[W:], m.mask_id)
     h = matches(w, drafts, v)
@@ -67,7 +62,7 @@ def quadratic(m, params, s: State, *, W: int, order: str) -> State:
     n_tok, n_out, p = _n(s)
     drafts = s.draft[w.out]
     call = layouts.quadratic(s.n, n_tok, n_out, p, w, drafts, m.mask_id)
-    logits, kv = _run(m, params, call, s, 1 + W + jnp.arange(W + W * W))  # M, branches
+    logits, kv = run_call(m, params, call, s, 1 + W + jnp.arange(W + W * W))  # M, branches
     v, _ = predict(logits[:W], m.mask_id)
     h = matches(w, drafts, v)
     A = jnp.minimum(h + 1, w.u)
@@ -84,11 +79,11 @@ def linear(m, params, s: State, *, W: int, order: str) -> State:
     # The order is fixed before the drafting call, from last iteration's verifier scores.
     w = window(s, W, order, use_drafts=False)
     n_tok, n_out, p = _n(s)
-    logits, kv = _run(m, params, layouts.draft(s.n, n_tok, n_out, p, w, m.mask_id), s,
+    logits, kv = run_call(m, params, layouts.draft(s.n, n_tok, n_out, p, w, m.mask_id), s,
                       1 + jnp.arange(W))
     z, _ = predict(logits, m.mask_id)
-    s = commit(s, kv, jnp.zeros(1, jnp.int32), s.pend_out[:1], p)  # N is cached between calls
-    logits, kv = _run(m, params, layouts.verify(s.n, w, z, m.mask_id), s, W + jnp.arange(W))
+    s = commit(s, kv, jnp.zeros(1, jnp.int32), s.pend_out[:1], p, after=z)  # N, cached now
+    logits, kv = run_call(m, params, layouts.verify(s.n, w, z, m.mask_id), s, W + jnp.arange(W))
     v, v_prob = predict(logits, m.mask_id)
     h = matches(w, z, v)
     A = jnp.minimum(h + 1, w.u)
@@ -103,10 +98,10 @@ def linear(m, params, s: State, *, W: int, order: str) -> State:
 def native(m, params, s: State, *, W: int, order: str) -> State:
     w = window(s, W, "ltr", use_drafts=False)
     call = layouts.step(s.n, s.pend_tok, s.pend_out, s.pend_n, w, m.mask_id)
-    logits, kv = _run(m, params, call, s, W + jnp.arange(W))
+    logits, kv = run_call(m, params, call, s, W + jnp.arange(W))
     p = s.pend_n
-    s = commit(s, kv, jnp.arange(W), s.pend_out, p)
     x, conf = predict(logits, m.mask_id)
+    s = commit(s, kv, jnp.arange(W), s.pend_out, p, after=x)
     conf = jnp.where(w.active, conf, -1.0)
     take = w.active & ((conf >= THRESHOLD) | (jnp.arange(W) == jnp.argmax(conf)))
     s = accept(s, w, x, take)
@@ -120,10 +115,10 @@ def native(m, params, s: State, *, W: int, order: str) -> State:
 def serial(m, params, s: State, *, W: int, order: str) -> State:
     w = window(s, 1, "ltr", use_drafts=False)
     n_tok, n_out, p = _n(s)
-    logits, kv = _run(m, params, layouts.serial(s.n, n_tok, n_out, p, w, m.mask_id), s,
+    logits, kv = run_call(m, params, layouts.serial(s.n, n_tok, n_out, p, w, m.mask_id), s,
                       jnp.ones(1, jnp.int32))
     v, _ = predict(logits, m.mask_id)
-    s = commit(s, kv, jnp.zeros(1, jnp.int32), s.pend_out[:1], p)
+    s = commit(s, kv, jnp.zeros(1, jnp.int32), s.pend_out[:1], p, after=v)
     take = first_ranks(w, 1)
     s = accept(s, w, v, take)
     s = set_pending(s, v, w.out, jnp.int32(1))

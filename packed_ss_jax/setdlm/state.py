@@ -11,7 +11,10 @@ The KV cache holds the prompt and accepted tokens as clean rows, in the order th
 were fed (`slot_out` records each slot's output index, -1 for the prompt). A token
 accepted as a correction is fed as a clean `N` row in the next call, like the
 release's decoder does, so it waits in `pend_*`. When `E` shrinks, the entries past
-it leave the conditioning context: their slots are compacted out of the cache.
+it leave the conditioning context: their slots stay in the buffer, masked out of every
+later call (`visible`). Moving the live slots together instead would be a gather along
+the slot axis, and XLA would then lay the loop's cache out slot-major and copy it back
+for every attention read of every step.
 
 Everything has a static shape; counts are traced scalars.
 """
@@ -123,9 +126,13 @@ def accept(s: State, w: Window, v, take) -> State:
                      res=s.res.at[where].set(True, mode="drop"))
 
 
-def commit(s: State, kv_rows, rows, outs, count) -> State:
-    """Appends the first `count` of the candidate rows `rows` (output indices `outs`)."""
-    cache = cache_lib.commit(s.cache, kv_rows, rows, s.cache_len, after=count)
+def commit(s: State, kv_rows, rows, outs, count, after=None) -> State:
+    """Appends the first `count` of the candidate rows `rows` (output indices `outs`).
+
+    after: non-negative ints computed from the call's logits (default `count`), so the
+    write follows the call's cache reads and happens in place (see `cache.commit`)."""
+    cache = cache_lib.commit(s.cache, kv_rows, rows, s.cache_len,
+                             after=count if after is None else after)
     slot_out = jax.lax.dynamic_update_slice(s.slot_out, outs.astype(jnp.int32), (s.cache_len,))
     return s.replace(cache=cache, slot_out=slot_out, cache_len=s.cache_len + count)
 
@@ -168,14 +175,16 @@ def stop_end(s: State):
     return jnp.minimum(s.E, jnp.min(jnp.where(ok, o[None, :] + 1, C + 1))).astype(jnp.int32)
 
 
-def _compact(s: State, E) -> State:
-    """Drops cache slots of output indices >= E, keeping the order of the rest."""
+def visible(s: State):
+    """[S] bool: the cache slots a call attends to, committed and not past E."""
     S = s.slot_out.shape[0]
-    live = (jnp.arange(S) < s.cache_len) & (s.slot_out < E)
-    order = jnp.argsort(~live, stable=True)
-    cache = jax.tree.map(lambda buf: jnp.take(buf, order, axis=cache_lib.SLOT_AXIS), s.cache)
-    return s.replace(cache=cache, slot_out=s.slot_out[order],
-                     cache_len=jnp.sum(live).astype(jnp.int32))
+    return (jnp.arange(S) < s.cache_len) & (s.slot_out < s.E)
+
+
+def run_call(m, params, call, s: State, out_rows):
+    """One NFE: a SetDLM layout through the model's forward, over the visible cache."""
+    return m.forward(params, call.tokens, call.positions, call.mask, s.cache, visible(s),
+                     call.draft_rows, out_rows)
 
 
 def apply_stop(s: State) -> State:
@@ -186,10 +195,8 @@ def apply_stop(s: State) -> State:
     res = s.res & (jnp.arange(C) < E)
     keep = (jnp.arange(s.pend_tok.shape[0]) < s.pend_n) & (s.pend_out < E)
     order = jnp.argsort(~keep, stable=True)
-    s = s.replace(E=E, res=res, pend_tok=s.pend_tok[order], pend_out=s.pend_out[order],
-                  pend_n=jnp.sum(keep).astype(jnp.int32))
-    dead = (jnp.arange(s.slot_out.shape[0]) < s.cache_len) & (s.slot_out >= E)
-    return jax.lax.cond(jnp.any(dead), lambda s: _compact(s, E), lambda s: s, s)
+    return s.replace(E=E, res=res, pend_tok=s.pend_tok[order], pend_out=s.pend_out[order],
+                     pend_n=jnp.sum(keep).astype(jnp.int32))
 
 
 def finish(s: State, w: Window, take, A, calls: int, rows, call_rows) -> State:
