@@ -8,6 +8,8 @@ memory bandwidth): at batch size 1 a call can't be faster than reading every wei
 
     python benchmarks/gpu_timing.py                  # 3B and 8B, B=32 (Q-SS B=8), ~5 min on an H200
     python benchmarks/gpu_timing.py --smoke          # tiny shapes: checks the script on a CPU
+    python benchmarks/gpu_timing.py --shapes embedded --cache-lengths 264 --block-size 8 \
+        --quadratic-block-size 4                     # the embedded model's calls, on a CPU
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ SHAPES = {
                intermediate_size=9216, vocab_size=131072),
     "8B": dict(hidden_size=4096, num_layers=34, num_heads=32, num_kv_heads=8, head_dim=128,
                intermediate_size=14336, vocab_size=131072),
+    # The embedded model's dims (random weights cost the same): the per-call table on CPU.
+    "embedded": dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32,
+                     intermediate_size=640, vocab_size=2048),
     "smoke": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                   intermediate_size=128, vocab_size=512),
 }

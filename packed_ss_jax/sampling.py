@@ -22,6 +22,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from .reductions import leading_true
+
 TOP_P_STORE = 64
 
 
@@ -157,7 +159,7 @@ def verify(key, p_rows, draft, draft_len, q: StoredQ):
     u = jax.random.uniform(k_accept, (W,))
     p_d = jnp.take_along_axis(p_rows[:W], draft[:, None], axis=1)[:, 0]
     ok = (u < accept_ratio(p_d, q.of(draft))) & (jnp.arange(W) < draft_len)
-    h = jnp.sum(jnp.cumprod(ok.astype(jnp.int32))).astype(jnp.int32)
+    h = leading_true(ok)
     V = p_rows.shape[-1]
     rejected = h < draft_len
     dist = jnp.where(rejected, residual(p_rows[h], q.dense_row(jnp.minimum(h, W - 1), V)), p_rows[h])

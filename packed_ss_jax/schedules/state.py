@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from .. import cache as cache_lib
 from .. import sampling
+from ..reductions import first_argmax, leading_true
 from ..sampling import Sampler, StoredQ
 
 
@@ -57,12 +58,12 @@ def run_call(m: ForwardModel, params, call, cache, cache_len, out_rows=None):
 
 def verifier_tokens(logits):
     """Greedy AR choice: argmax over the full vocabulary (first index on ties)."""
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return first_argmax(logits)
 
 
 def drafter_tokens(logits, mask_id: int):
     """Greedy draft choice: argmax with MASK excluded (a MASK is never a draft)."""
-    return jnp.argmax(logits.at[..., mask_id].set(-jnp.inf), axis=-1).astype(jnp.int32)
+    return first_argmax(jnp.where(jnp.arange(logits.shape[-1]) == mask_id, -jnp.inf, logits))
 
 
 def matched_prefix(draft, draft_len, verified):
@@ -72,7 +73,7 @@ def matched_prefix(draft, draft_len, verified):
     never match, even if the verifier happens to predict the MASK id.
     """
     ok = (draft == verified[: draft.shape[0]]) & (jnp.arange(draft.shape[0]) < draft_len)
-    return jnp.sum(jnp.cumprod(ok.astype(jnp.int32))).astype(jnp.int32)
+    return leading_true(ok)
 
 
 def choose_first(logits, sampler: Sampler, key):

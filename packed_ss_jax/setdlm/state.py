@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import cache as cache_lib
+from ..reductions import first_argmax, leading_true
 
 # The release sets the MASK logit to -1e12 before its softmax/argmax.
 MASK_LOGIT = -1e12
@@ -74,7 +75,7 @@ def masked_logits(logits, mask_id: int):
 def predict(logits, mask_id: int):
     """Greedy prediction and its probability, MASK excluded (first index on ties)."""
     logits = masked_logits(logits, mask_id)
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    tokens = first_argmax(logits)
     probs = jax.nn.softmax(logits, axis=-1)
     return tokens, jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]
 
@@ -86,7 +87,7 @@ class Window:
         self.out, self.active, self.drafted = out, active, drafted
         self.u = jnp.sum(active).astype(jnp.int32)
         # kappa: leading ranks holding a draft (Alg. 3 line 6).
-        self.kappa = jnp.sum(jnp.cumprod(drafted.astype(jnp.int32))).astype(jnp.int32)
+        self.kappa = leading_true(drafted)
 
 
 def window(s: State, W: int, order: str, use_drafts: bool) -> Window:
@@ -110,8 +111,7 @@ def window(s: State, W: int, order: str, use_drafts: bool) -> Window:
 
 def matches(w: Window, drafts, v):
     """h: drafts equal to the verifier's prediction, consecutively in rank order (line 9)."""
-    ok = w.drafted & (drafts == v)
-    return jnp.sum(jnp.cumprod(ok.astype(jnp.int32))).astype(jnp.int32)
+    return leading_true(w.drafted & (drafts == v))
 
 
 def first_ranks(w: Window, count):

@@ -1,0 +1,26 @@
+"""Index reductions written as plain max/min reductions.
+
+`jnp.argmax` and a cumulative product lower to a two-operand reduce and a
+reduce-window, which XLA's CPU backend runs element by element; one max plus one
+min over an iota vectorise. On the embedded model an argmax over 8 rows of a
+2,048-word vocabulary took 40 us as `jnp.argmax` and 17 us as below, against a
+model call of about 1 ms: this is decoder work outside the model, paid every step.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def first_argmax(x):
+    """argmax over the last axis, the lowest index on ties (as `jnp.argmax`), int32.
+    `x` must hold no NaN."""
+    n = x.shape[-1]
+    top = jnp.max(x, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(x == top, jnp.arange(n, dtype=jnp.int32), n), axis=-1)
+
+
+def leading_true(ok):
+    """How many entries of the 1-D bool `ok` are True before the first False."""
+    n = ok.shape[0]
+    return jnp.min(jnp.where(ok, n, jnp.arange(n, dtype=jnp.int32))).astype(jnp.int32)
