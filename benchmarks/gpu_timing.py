@@ -131,7 +131,8 @@ def main(argv=None) -> int:
                                           args.quadratic_block_size if not args.smoke else 3,
                                           c.mask_token_id):
                 t = time_call(c, params, call, rows, L, args.repeat)
-                print(f"| {shape} ({nbytes / 1e9:.1f} GB) | {name} | {L} | {1e3 * t:.3f} | "
+                size = f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
+                print(f"| {shape} ({size}) | {name} | {L} | {1e3 * t:.3f} | "
                       f"{1e3 * bound:.3f} | {t / bound:.2f} |", flush=True)
         del params
     print(f"\ntotal {time.monotonic() - t_start:.0f}s", file=sys.stderr)
