@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from .. import sampling
 from ..sampling import Sampler, StoredQ
 from . import layouts
-from .state import (State, run_call, accept, commit, finish, first_ranks, set_pending, store_drafts,
-                    window)
+from .state import (State, accept, commit, finish, first_ranks, run_call, set_pending,
+                    store_drafts, window)
 
 
 def target(logits, sampler: Sampler, mask_id: int):
@@ -132,7 +132,7 @@ def linear(m, params, s: State, *, W: int, sampler: Sampler) -> State:
     w = window(s, W, "ltr", use_drafts=False)
     n_tok, n_out, p = _n(s)
     logits, kv = run_call(m, params, layouts.draft(s.n, n_tok, n_out, p, w, m.mask_id), s,
-                      1 + jnp.arange(W))
+                          1 + jnp.arange(W))
     q = sampling.proposal(logits, sampler, m.mask_id)  # from the newest prefix
     z = q.sample(k_draft)
     s = commit(s, kv, jnp.zeros(1, jnp.int32), s.pend_out[:1], p, after=z)  # N, cached now
@@ -152,7 +152,7 @@ def serial(m, params, s: State, *, W: int, sampler: Sampler) -> State:
     w = window(s, 1, "ltr", use_drafts=False)
     n_tok, n_out, p = _n(s)
     logits, kv = run_call(m, params, layouts.serial(s.n, n_tok, n_out, p, w, m.mask_id), s,
-                      jnp.ones(1, jnp.int32))
+                          jnp.ones(1, jnp.int32))
     v = sampling.sample_from(k, target(logits[0], sampler, m.mask_id))[None]
     s = commit(s, kv, jnp.zeros(1, jnp.int32), s.pend_out[:1], p, after=v)
     take = first_ranks(w, 1)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from . import layouts
-from .state import (State, run_call, accept, commit, finish, first_ranks, matches, predict, set_pending,
-                    store_drafts, window)
+from .state import (State, accept, commit, finish, first_ranks, matches, predict, run_call,
+                    set_pending, store_drafts, window)
 
 THRESHOLD = 0.9  # the release's confidence threshold (E.6 "Native baseline")
 
@@ -80,7 +80,7 @@ def linear(m, params, s: State, *, W: int, order: str) -> State:
     w = window(s, W, order, use_drafts=False)
     n_tok, n_out, p = _n(s)
     logits, kv = run_call(m, params, layouts.draft(s.n, n_tok, n_out, p, w, m.mask_id), s,
-                      1 + jnp.arange(W))
+                          1 + jnp.arange(W))
     z, _ = predict(logits, m.mask_id)
     s = commit(s, kv, jnp.zeros(1, jnp.int32), s.pend_out[:1], p, after=z)  # N, cached now
     logits, kv = run_call(m, params, layouts.verify(s.n, w, z, m.mask_id), s, W + jnp.arange(W))
@@ -116,7 +116,7 @@ def serial(m, params, s: State, *, W: int, order: str) -> State:
     w = window(s, 1, "ltr", use_drafts=False)
     n_tok, n_out, p = _n(s)
     logits, kv = run_call(m, params, layouts.serial(s.n, n_tok, n_out, p, w, m.mask_id), s,
-                      jnp.ones(1, jnp.int32))
+                          jnp.ones(1, jnp.int32))
     v, _ = predict(logits, m.mask_id)
     s = commit(s, kv, jnp.zeros(1, jnp.int32), s.pend_out[:1], p, after=v)
     take = first_ranks(w, 1)
