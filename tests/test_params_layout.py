@@ -1,6 +1,8 @@
 """The stored (stacked, scanned) and decoding (per-layer, unrolled) params layouts
 hold the same weights and compute the same forward."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,12 +39,13 @@ def test_both_layouts_compute_the_same_cached_forward():
     cache = cache_lib.commit(model_lib.empty_cache(c, 16), kv, jnp.arange(6), 0)
     x, draft = jnp.int32(4), jnp.array([5, 6, 7], jnp.int32)
     call = layouts.packed(x, draft, jnp.int32(6), c.mask_token_id)
-    outs = [model_lib.forward(c, p, *call[:3], cache, 6, call.draft_rows)
+    forward = jax.jit(functools.partial(model_lib.forward, c))
+    outs = [forward(p, *call[:3], cache, 6, call.draft_rows)
             for p in (stored, model_lib.unstack_layers(stored))]
     (l1, kv1), (l2, kv2) = outs
     np.testing.assert_allclose(l1, l2, atol=1e-5, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(kv1), jax.tree.leaves(kv2)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
     # The visibility vector form of cache_len is the same prefix.
-    l3, _ = model_lib.forward(c, stored, *call[:3], cache, jnp.arange(16) < 6, call.draft_rows)
+    l3, _ = forward(stored, *call[:3], cache, jnp.arange(16) < 6, call.draft_rows)
     np.testing.assert_allclose(l1, l3, atol=1e-6)
