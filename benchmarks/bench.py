@@ -49,21 +49,28 @@ def parse_probe(spec: str) -> list[int]:
     return list(dict.fromkeys(int(x) for x in parts))
 
 
+SPLITS = ("null", "doubled")
+
+
 def run(model, prompts, schedules, block_sizes, *, capacity: int, temperature=0.0, seed=0,
-        max_new_tokens=None, repeats=1, model_time=True, progress=True) -> dict:
+        max_new_tokens=None, repeats=1, model_time=True, split="null", progress=True) -> dict:
     """Per schedule, per prompt: tokens, wall, NFE, model time, correctness.
 
     With `repeats` > 1 every prompt is decoded that many times by every schedule, in
     turn (so slow drift of the machine hits all schedules alike), and the fastest wall
     time is kept; the outputs of the repeats are identical (same seed). With
-    `model_time`, each decode is also run with every forward pass doubled (see
-    `timing.Doubled`, same repeats): the extra wall time is the model execution time.
+    `model_time`, each decode is also run with the model replaced (same repeats; see
+    `timing`): by one whose forward costs nothing (`split="null"`: that decode's time,
+    scaled to the real iteration count, is the non-model work) or by one that does every
+    forward pass twice (`split="doubled"`: the extra wall time is the model's).
     """
     import packed_ss_jax as ps
 
     per = {s: {"tokens": [], "wall_s": [], "nfe": [], "iterations": [], "model_s": [],
                "correct": [], "hist": None} for s in schedules}
-    doubled = timing.Doubled(model)
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    other = timing.Null(model) if split == "null" else timing.Doubled(model)
 
     def one(s, p, i, m=model):
         B = block_sizes[s] or model.config.block_size
@@ -75,16 +82,16 @@ def run(model, prompts, schedules, block_sizes, *, capacity: int, temperature=0.
     for s in schedules:  # warm-up: compile, and run once, outside the measurements
         one(s, prompts[0], 0)
         if model_time:
-            one(s, prompts[0], 0, doubled)
+            one(s, prompts[0], 0, other)
     t0 = time.monotonic()
     for i, p in enumerate(prompts):
         runs = {s: [] for s in schedules}
-        twice = {s: [] for s in schedules}
+        replaced = {s: [] for s in schedules}
         for _ in range(repeats):
             for s in schedules:
                 runs[s].append(one(s, p, i))
                 if model_time:
-                    twice[s].append(one(s, p, i, doubled).wall_s)
+                    replaced[s].append(one(s, p, i, other))
         for s in schedules:
             r = min(runs[s], key=lambda x: x.wall_s)
             d = per[s]
@@ -94,7 +101,12 @@ def run(model, prompts, schedules, block_sizes, *, capacity: int, temperature=0.
             d["iterations"].append(r.iterations)
             d["hist"] = r.accept_hist if d["hist"] is None else d["hist"] + r.accept_hist
             if model_time:
-                d["model_s"].append(min(twice[s]) - r.wall_s)
+                o = min(replaced[s], key=lambda x: x.wall_s)
+                if split == "null":
+                    non_model = o.wall_s * (r.iterations + 1) / (o.iterations + 1)
+                    d["model_s"].append(r.wall_s - non_model)
+                else:
+                    d["model_s"].append(o.wall_s - r.wall_s)
             if p.score is not None:
                 d["correct"].append(bool(p.score(r.text if r.text is not None else "")))
         if progress:
@@ -284,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1,
                    help="decode each prompt this many times per schedule and keep the fastest "
                         "wall time (less timing noise; tokens are identical)")
+    p.add_argument("--split", choices=SPLITS, default="null",
+                   help="how the model / non-model time split is measured: null (a decode whose "
+                        "forward computes nothing) or doubled (every forward done twice)")
     p.add_argument("--limit", type=int, default=None, help="first N prompts (offline tasks: 100)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="override the task's output cap")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -324,9 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     if sizes:
         block_sizes, probe_rows = probe(model, prompts, schedules, sizes, block_sizes, **kw)
         print(probe_markdown(probe_rows, block_sizes) + "\n")
-    per = run(model, prompts, schedules, block_sizes, **kw)
+    per = run(model, prompts, schedules, block_sizes, split=args.split, **kw)
     summary = summarize(name, args.task, per, block_sizes, model.config.block_size, args.resamples)
-    summary.update(temperature=args.temperature, repeats=args.repeats, probe=probe_rows)
+    summary.update(temperature=args.temperature, repeats=args.repeats, probe=probe_rows,
+                   time_split=args.split)
     print(markdown(summary))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")

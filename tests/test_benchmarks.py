@@ -124,6 +124,54 @@ def test_doubled_model_decodes_identically_with_twice_the_forwards():
     assert texts["doubled"].count(" dot(") == 2 * texts["transformer"].count(" dot(")
 
 
+def test_null_model_runs_the_same_program_without_the_model():
+    """The null decode has the real decode's shapes and steps, but no model work: no dot
+    in its program, all drafts accepted, one ordinary token repeated up to the limit."""
+    import packed_ss_jax as ps
+    from packed_ss_jax import engine
+
+    m = ps.load()
+    n = timing.Null(m)
+    assert n.key != m.key and n.config is m.config
+    prompt = tasks.load("arithmetic", None, 1)[0].text
+    B, L = 4, 12
+    # The first call emits 1 token; then Linear-SS and Quadratic-SS accept whole blocks
+    # (4, 4, and 3 to the limit), Packed-SS alternates (its next draft after a whole block
+    # is empty, Eq. 4).
+    for s, iterations in (("ar", L), ("linear", 4), ("packed", 6), ("quadratic", 4)):
+        r = ps.decode(n, prompt, schedule=s, block_size=B, max_new_tokens=L, cache_size=128)
+        assert r.tokens == [n._token] * L and n._token not in (m.config.eos_token_id, m.mask_id)
+        assert r.iterations == iterations, s
+    program = next(exe for k, exe in engine._compiled.items()
+                   if k[0][0] == "null" and isinstance(k[1], engine.Program)
+                   and k[1].schedule == "packed" and k[1].capacity == 128)
+    assert " dot(" not in program.as_text()  # no matmul: the forward computes nothing
+
+
+def test_null_split_scales_by_iterations(monkeypatch):
+    import dataclasses
+
+    import packed_ss_jax as ps
+
+    real = ps.decode
+
+    def decode(model, prompt, **kw):  # fixed wall times: real 10 ms, null 1 ms
+        r = real(model, prompt, **kw)
+        return dataclasses.replace(r, wall_s=0.001 if isinstance(model, timing.Null) else 0.01)
+
+    monkeypatch.setattr(ps, "decode", decode)
+    prompts = tasks.load("arithmetic", None, 1)
+    per = bench.run(ps.load(), prompts, ["packed"], {"packed": 4}, capacity=256,
+                    max_new_tokens=12, progress=False)
+    null = real(timing.Null(ps.load()), prompts[0].text, schedule="packed", block_size=4,
+                max_new_tokens=12, cache_size=256, eos_id=-1)
+    it = per["packed"]["iterations"][0]
+    assert per["packed"]["model_s"][0] == pytest.approx(0.01 - 0.001 * (it + 1) / (null.iterations + 1))
+    with pytest.raises(ValueError, match="split"):
+        bench.run(ps.load(), prompts, ["packed"], {"packed": 4}, capacity=256, split="nope",
+                  progress=False)
+
+
 def test_block_size_spec():
     assert bench.parse_block_sizes("8", ["ar", "packed"]) == {"ar": 8, "packed": 8}
     assert bench.parse_block_sizes("packed=16,linear=4", ["linear", "packed"]) == \
