@@ -27,10 +27,12 @@ import jax
 import jax.numpy as jnp
 
 
-class Doubled:
-    """`model` with every forward pass run twice. Decoding with it follows exactly the
-    same trajectory: the second pass's outputs enter the results only multiplied by zero
-    (logits are finite), so every decision is the first pass's."""
+class _Replaced:
+    """`model` with its forward replaced (subclasses define `forward`); everything else,
+    the config included, is the model's. Its own compile-cache key keeps its programs
+    apart from the model's."""
+
+    tag = ""
 
     def __init__(self, model):
         self._model = model
@@ -40,7 +42,15 @@ class Doubled:
 
     @property
     def key(self):
-        return ("doubled", self._model.key)
+        return (self.tag, self._model.key)
+
+
+class Doubled(_Replaced):
+    """`model` with every forward pass run twice. Decoding with it follows exactly the
+    same trajectory: the second pass's outputs enter the results only multiplied by zero
+    (logits are finite), so every decision is the first pass's."""
+
+    tag = "doubled"
 
     def forward(self, params, tokens, positions, mask, cache, cache_len, draft_rows=None,
                 out_rows=None):
@@ -53,24 +63,19 @@ class Doubled:
         return keep(logits, logits2), jax.tree.map(keep, kv, kv2)
 
 
-class Null:
+class Null(_Replaced):
     """`model` with a forward that computes nothing: the logits put all their mass on one
     ordinary token (never EOS or MASK, so drafts are accepted and decoding runs to its
     length limit) and the keys/values are zeros. A zero computed from the input tokens
     keeps XLA from folding the decoder's work on them into constants."""
 
+    tag = "null"
+
     def __init__(self, model):
-        self._model = model
+        super().__init__(model)
         c = model.config
         self._token = next(i for i in range(c.vocab_size)
                            if i not in (c.eos_token_id, c.mask_token_id))
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
-
-    @property
-    def key(self):
-        return ("null", self._model.key)
 
     def forward(self, params, tokens, positions, mask, cache, cache_len, draft_rows=None,
                 out_rows=None):
