@@ -53,13 +53,13 @@ SPLITS = ("null", "doubled")
 
 
 def run(model, prompts, schedules, block_sizes, *, capacity: int, temperature=0.0, seed=0,
-        max_new_tokens=None, repeats=1, model_time=True, split="null", progress=True) -> dict:
+        max_new_tokens=None, repeats=1, split="null", progress=True) -> dict:
     """Per schedule, per prompt: tokens, wall, NFE, model time, correctness.
 
     With `repeats` > 1 every prompt is decoded that many times by every schedule, in
     turn (so slow drift of the machine hits all schedules alike), and the fastest wall
-    time is kept; the outputs of the repeats are identical (same seed). With
-    `model_time`, each decode is also run with the model replaced (same repeats; see
+    time is kept; the outputs of the repeats are identical (same seed). Unless `split`
+    is None, each decode is also run with the model replaced (same repeats; see
     `timing`): by one whose forward costs nothing (`split="null"`: that decode's time,
     scaled to the real iteration count, is the non-model work) or by one that does every
     forward pass twice (`split="doubled"`: the extra wall time is the model's).
@@ -68,8 +68,8 @@ def run(model, prompts, schedules, block_sizes, *, capacity: int, temperature=0.
 
     per = {s: {"tokens": [], "wall_s": [], "nfe": [], "iterations": [], "model_s": [],
                "correct": [], "hist": None} for s in schedules}
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if split is not None and split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS} or None, got {split!r}")
     other = timing.Null(model) if split == "null" else timing.Doubled(model)
 
     def one(s, p, i, m=model):
@@ -81,7 +81,7 @@ def run(model, prompts, schedules, block_sizes, *, capacity: int, temperature=0.
 
     for s in schedules:  # warm-up: compile, and run once, outside the measurements
         one(s, prompts[0], 0)
-        if model_time:
+        if split:
             one(s, prompts[0], 0, other)
     t0 = time.monotonic()
     for i, p in enumerate(prompts):
@@ -90,7 +90,7 @@ def run(model, prompts, schedules, block_sizes, *, capacity: int, temperature=0.
         for _ in range(repeats):
             for s in schedules:
                 runs[s].append(one(s, p, i))
-                if model_time:
+                if split:
                     replaced[s].append(one(s, p, i, other))
         for s in schedules:
             r = min(runs[s], key=lambda x: x.wall_s)
@@ -100,7 +100,7 @@ def run(model, prompts, schedules, block_sizes, *, capacity: int, temperature=0.
             d["nfe"].append(r.nfe)
             d["iterations"].append(r.iterations)
             d["hist"] = r.accept_hist if d["hist"] is None else d["hist"] + r.accept_hist
-            if model_time:
+            if split:
                 o = min(replaced[s], key=lambda x: x.wall_s)
                 if split == "null":
                     non_model = o.wall_s * (r.iterations + 1) / (o.iterations + 1)
@@ -131,7 +131,7 @@ def probe(model, prompts, schedules, sizes, fixed, *, progress=True, **kw) -> tu
             continue
         best = None
         for B in sizes:
-            d = run(model, prompts[:PROBE_PROMPTS], [s], {s: B}, model_time=False,
+            d = run(model, prompts[:PROBE_PROMPTS], [s], {s: B}, split=None,
                     progress=False, **kw)[s]
             tok, wall, nfe = sum(d["tokens"]), sum(d["wall_s"]), sum(d["nfe"])
             rows.append({"schedule": s, "block_size": B, "tokens": tok, "wall_s": wall,

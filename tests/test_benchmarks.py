@@ -235,7 +235,7 @@ def test_repeats_keep_the_fastest_decode(monkeypatch):
     monkeypatch.setattr(ps, "decode", decode)
     prompts = tasks.load("arithmetic", None, 2)
     per = bench.run(ps.load(), prompts, ["ar", "packed"], {"ar": None, "packed": 4},
-                    capacity=256, max_new_tokens=4, repeats=3, model_time=False, progress=False)
+                    capacity=256, max_new_tokens=4, repeats=3, split=None, progress=False)
     runs = calls[2:]                                          # after the warm-up decodes
     assert runs == [(p.text, s) for p in prompts for _ in range(3) for s in ("ar", "packed")]
     assert per["ar"]["wall_s"] == per["packed"]["wall_s"] == [0.1, 0.1]
