@@ -21,21 +21,32 @@ def convert_main(argv: list[str] | None = None) -> int:
                       help="require and include the draft-only linear_spec_lora adapter")
     lora.add_argument("--no-lora", dest="lora", action="store_false",
                       help="leave the adapter out even when present")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier conversion output or an empty directory (nothing else)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     args = p.parse_args(argv)
 
     from .checkpoints.errors import CheckpointError
     from .config import ConfigError
-    from .conversion import convert
+    from .conversion import DestinationError, Interrupted, convert
 
     try:
         convert(args.src, args.dst, dtype=args.dtype, lora=args.lora, overwrite=args.overwrite,
                 progress=not args.quiet)
-    except (CheckpointError, ConfigError, FileNotFoundError, FileExistsError) as e:
-        print(f"packed-ss-convert: error: {e}", file=sys.stderr)
+    except (CheckpointError, ConfigError, DestinationError, FileNotFoundError, FileExistsError,
+            NotADirectoryError, PermissionError) as e:
+        print(f"packed-ss-convert: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        print(f"\npacked-ss-convert: {e}", file=sys.stderr)
+        return e.exit_status
     return 0
+
+
+def _one_line(e: BaseException) -> str:
+    """A multi-line message (a list of tensors) as one line for the terminal."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+    return lines[0] + "".join(f"{'; ' if i else ' '}{line}" for i, line in enumerate(lines[1:]))
 
 
 def _prompt_arg(args, model):
@@ -85,6 +96,8 @@ def generate_main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the checksum check of a converted --model (faster load)")
     args = p.parse_args(argv)
     if args.prompt is None and args.ids is None:
         p.error("give a prompt (text) or --ids")
@@ -94,7 +107,7 @@ def generate_main(argv: list[str] | None = None) -> int:
         print(f"packed-ss: error: --model {args.model}: no such directory", file=sys.stderr)
         return 2
     try:
-        model = loading.load(args.model, dtype=args.dtype)
+        model = loading.load(args.model, dtype=args.dtype, verify=not args.no_verify)
         prompt = _prompt_arg(args, model)
         schedules = ["ar", "linear", "quadratic", "packed"] if args.schedule == "all" else [args.schedule]
         results = [api.decode(model, prompt, schedule=s, block_size=args.block_size,
