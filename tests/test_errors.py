@@ -1,16 +1,14 @@
 """Bad input gets a clear error naming the problem."""
 
-import json
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
 
 import packed_ss_jax as ps
 from packed_ss_jax.checkpoints.errors import CheckpointError
 from packed_ss_jax.config import ConfigError
+from checkpoint_copies import copy_checkpoint as _copy_checkpoint
 from tiny import tiny_model
 
 MODEL = tiny_model(0)
@@ -54,22 +52,6 @@ def test_logits_shape_errors():
         ps.logits(MODEL, [1, 2], [0, 1], np.ones((3, 3), bool))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         ps.logits(MODEL, [1, 50], [0, 1], np.ones((2, 2), bool))
-
-
-def _copy_checkpoint(src: Path, dst: Path, edit=None, config_edit=None) -> Path:
-    """A single-file copy of the fixture checkpoint, optionally with edited tensors/config."""
-    dst.mkdir()
-    weights = {}
-    for f in sorted(src.glob("model-*.safetensors")):
-        weights.update(load_file(f))
-    if edit:
-        edit(weights)
-    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
-    cfg = json.loads((src / "config.json").read_text())
-    if config_edit:
-        config_edit(cfg)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
 
 
 def test_missing_misshaped_unexpected_tensors(nemotron_dir, tmp_path):
