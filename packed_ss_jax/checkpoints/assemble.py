@@ -82,17 +82,33 @@ def _expand(entry: Entry, num_layers: int) -> list[str]:
     return [entry.name.format(i=i) for i in range(num_layers)] if entry.layer else [entry.name]
 
 
+_CHUNK = 1 << 20  # elements: the scratch buffer stays in cache, no large temporaries
+
+
+def _bf16_all_finite(a: np.ndarray) -> bool:
+    bits = a.ravel(order="K").view(np.uint16)  # a view whenever a is contiguous in any order
+    scratch = np.empty(min(bits.size, _CHUNK), np.uint16)
+    for i in range(0, bits.size, _CHUNK):
+        part = bits[i:i + _CHUNK]
+        out = scratch[:part.size]
+        np.bitwise_and(part, 0x7FFF, out=out)
+        if out.max() >= 0x7F80:
+            return False
+    return True
+
+
 def count_non_finite(a: np.ndarray) -> int:
     """How many entries of a float array are NaN or +-Inf.
 
     The common all-finite case costs one vectorised pass: the float32 sum (NaN and Inf
     propagate through it; an overflow of huge finite values only sends it to the exact
     count below) or, for bfloat16, the largest exponent-and-mantissa bit pattern (all
-    exponent bits set means Inf or NaN). Measured here: ~0.1 s/GiB for float32, ~0.2 s/GiB
+    exponent bits set means Inf or NaN), in cache-sized chunks. Measured here: ~0.15 s/GiB
+    for float32, ~0.2 s/GiB
     for bfloat16.
     """
     if a.dtype.itemsize == 2 and a.dtype.name == "bfloat16":
-        if a.size == 0 or np.max(a.view(np.uint16) & 0x7FFF) < 0x7F80:
+        if _bf16_all_finite(a):
             return 0
     elif np.issubdtype(a.dtype, np.floating):
         with np.errstate(over="ignore", invalid="ignore"):
