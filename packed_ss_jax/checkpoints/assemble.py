@@ -104,8 +104,7 @@ def count_non_finite(a: np.ndarray) -> int:
     propagate through it; an overflow of huge finite values only sends it to the exact
     count below) or, for bfloat16, the largest exponent-and-mantissa bit pattern (all
     exponent bits set means Inf or NaN), in cache-sized chunks. Measured here: ~0.15 s/GiB
-    for float32, ~0.2 s/GiB
-    for bfloat16.
+    for float32, ~0.2 s/GiB for bfloat16.
     """
     if a.dtype.itemsize == 2 and a.dtype.name == "bfloat16":
         if _bf16_all_finite(a):
