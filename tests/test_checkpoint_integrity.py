@@ -1,6 +1,7 @@
 """Damaged weights are caught: NaN/Inf tensors, changed params files, broken markers."""
 
 import json
+import shutil
 import warnings
 
 import jax
@@ -37,8 +38,6 @@ def converted(nemotron_dir, tmp_path_factory):
 
 
 def _copy(converted, tmp_path):
-    import shutil
-
     return shutil.copytree(converted, tmp_path / "copy")
 
 
@@ -220,8 +219,6 @@ def test_damaged_marker(converted, tmp_path, case, edit, error, match):
 
 
 def test_params_directory_missing(converted, tmp_path):
-    import shutil
-
     out = _copy(converted, tmp_path)
     shutil.rmtree(out / "params")
     with pytest.raises(CheckpointError, match="no params/ directory"):
