@@ -89,7 +89,7 @@ class TorchBin:
             raise CheckpointError(f"{self.file}: {entry} has {size} bytes, expected {expected}")
         if limit is not None and size > limit:
             raise CheckpointError(f"{self.file}: {entry} declares {size} bytes, more than the "
-                                  f"{limit} a state dict needs")
+                                  f"{limit} allowed for it")
         if info.flag_bits & 0x1:
             raise CheckpointError(f"{self.file}: {entry} is encrypted")
         if info.header_offset + info.compress_size > self.archive_bytes:
