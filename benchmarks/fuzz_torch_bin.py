@@ -418,8 +418,10 @@ def m_after_record(c: Ctx) -> bytes:
     return with_pickle(c.base, p[:at] + snippet(c, kind) + p[at:])
 
 
-def _mutate_rec(c: Ctx, r: Rec, recs: list[Rec]) -> Rec:
-    n, rng = r.numel, c.rng
+def _mutate_rec(c: Ctx, r: Rec, o: Rec, recs: list[Rec]) -> Rec:
+    """`r` with one field changed; new values derive from `o`, the fixture's record, as an
+    earlier mutation may have left any type in `r`."""
+    n, rng = o.numel, c.rng
     what = c.pick(["swap", "offset", "size", "stride", "dims", "numel", "kind", "key",
                    "location", "grad", "hooks", "extra", "transpose", "raw", "name", "alias"])
     if what == "swap":
@@ -427,21 +429,21 @@ def _mutate_rec(c: Ctx, r: Rec, recs: list[Rec]) -> Rec:
     if what == "offset":
         return dataclasses.replace(r, offset=c.pick([n, n - 1, n + 1, rng.randrange(2 * n + 1),
                                                      c.pick(HUGE)]))
-    if what == "size" and r.size:
-        i = rng.randrange(len(r.size))
-        d = r.size[i]
+    if what == "size" and o.size:
+        i = rng.randrange(len(o.size))
+        d = o.size[i]
         v = c.pick([d * 2, d + 1, 0, 1, rng.randrange(1, 1000), -d, 2**64 + d, c.pick(HUGE)])
-        return dataclasses.replace(r, size=r.size[:i] + (v,) + r.size[i + 1:])
-    if what == "stride" and r.stride:
-        i = rng.randrange(len(r.stride))
-        s = r.stride[i]
+        return dataclasses.replace(r, size=o.size[:i] + (v,) + o.size[i + 1:])
+    if what == "stride" and o.stride:
+        i = rng.randrange(len(o.stride))
+        s = o.stride[i]
         v = c.pick([0, s * 2, s + 1, n, rng.randrange(1, 1000), c.pick(HUGE)])
-        return dataclasses.replace(r, stride=r.stride[:i] + (v,) + r.stride[i + 1:])
+        return dataclasses.replace(r, stride=o.stride[:i] + (v,) + o.stride[i + 1:])
     if what == "dims":
-        return c.pick([dataclasses.replace(r, size=r.size + (1,), stride=r.stride + (1,)),
-                       dataclasses.replace(r, size=r.size + (2,), stride=r.stride + (1,)),
-                       dataclasses.replace(r, size=r.size[1:], stride=r.stride[1:]),
-                       dataclasses.replace(r, size=r.size + (1,)),
+        return c.pick([dataclasses.replace(r, size=o.size + (1,), stride=o.stride + (1,)),
+                       dataclasses.replace(r, size=o.size + (2,), stride=o.stride + (1,)),
+                       dataclasses.replace(r, size=o.size[1:], stride=o.stride[1:]),
+                       dataclasses.replace(r, size=o.size + (1,)),
                        dataclasses.replace(r, size=(1,) * 40, stride=(1,) * 40),
                        dataclasses.replace(r, size=(), stride=())])
     if what == "numel":
@@ -450,7 +452,7 @@ def _mutate_rec(c: Ctx, r: Rec, recs: list[Rec]) -> Rec:
     if what == "kind":  # another dtype; half the time with the numel matching the bytes
         kind = c.pick(KINDS + [7, "Complex64Storage", "UntypedStorage"])
         if isinstance(kind, str) and kind in ITEMSIZE and rng.random() < 0.5:
-            return dataclasses.replace(r, kind=kind, numel=n * ITEMSIZE[r.kind] // ITEMSIZE[kind])
+            return dataclasses.replace(r, kind=kind, numel=n * ITEMSIZE[o.kind] // ITEMSIZE[kind])
         return dataclasses.replace(r, kind=kind)
     if what == "key":
         other = c.pick([x.key for x in recs if x.alias is None])
@@ -467,21 +469,21 @@ def _mutate_rec(c: Ctx, r: Rec, recs: list[Rec]) -> Rec:
     if what == "extra":
         return dataclasses.replace(r, extra=c.pick([ORDERED_DICT, b"}", b"N", p_value(
             {"conj": True}), ORDERED_DICT + p_str("k") + p_int(1) + b"s", c.pick(gadgets(c))]))
-    if what == "transpose" and len(r.size) == 2:  # a valid view of the same bytes
-        return dataclasses.replace(r, size=r.size[::-1], stride=r.stride[::-1])
+    if what == "transpose" and len(o.size) == 2:  # a valid view of the same bytes
+        return dataclasses.replace(r, size=o.size[::-1], stride=o.stride[::-1])
     if what == "raw":  # sizes as lists, strings, nested tuples, a list mutated after use
         return c.pick([
-            dataclasses.replace(r, size=b"]" + b"(" + b"".join(map(p_int, r.size)) + b"e"),
-            dataclasses.replace(r, size=tuple(map(str, r.size))),
-            dataclasses.replace(r, size=(r.size,)),
+            dataclasses.replace(r, size=b"]" + b"(" + b"".join(map(p_int, o.size)) + b"e"),
+            dataclasses.replace(r, size=tuple(map(str, o.size))),
+            dataclasses.replace(r, size=(o.size,)),
             dataclasses.replace(r, offset=b"]q\xf0", after=b"h\xf0" + p_int(10**6) + b"a"),
-            dataclasses.replace(r, size=b"]q\xf1(" + b"".join(map(p_int, r.size)) + b"e",
+            dataclasses.replace(r, size=b"]q\xf1(" + b"".join(map(p_int, o.size)) + b"e",
                                 after=b"h\xf1" + p_int(10**6) + b"a"),
             dataclasses.replace(r, offset=b"G" + struct.pack(">d", 0.0)),  # a float
-            dataclasses.replace(r, size=r.size + r.size),
+            dataclasses.replace(r, size=o.size + o.size),
         ])
     if what == "name":
-        return dataclasses.replace(r, name=c.pick([7, None, b"N", r.name + "\udcff", "",
+        return dataclasses.replace(r, name=c.pick([7, None, b"N", o.name + "\udcff", "",
                                                    c.pick(recs).name]))
     if what == "alias" and len(recs) > 1:
         return dataclasses.replace(r, alias=rng.randrange(len(recs) + 2))
@@ -492,7 +494,7 @@ def m_record(c: Ctx) -> bytes:
     recs = list(c.base.recs)
     for _ in range(c.rng.choice([1, 1, 1, 2, 3])):
         i = c.rng.randrange(len(recs))
-        recs[i] = _mutate_rec(c, recs[i], recs)
+        recs[i] = _mutate_rec(c, recs[i], c.base.recs[i], recs)
     return with_pickle(c.base, emit(recs, ordered=c.rng.random() < 0.3,
                                      metadata=METADATA if c.rng.random() < 0.2 else None))
 
@@ -755,9 +757,13 @@ def run(base: Base, seed: int, cases: range, workdir: Path, limit_s: float = 10.
     s = Summary()
     t0 = time.perf_counter()
     for i in cases:
-        name, blob = make_case(base, seed, i, str(sentinel))
         c0 = time.perf_counter()
-        outcome, detail = check(blob, workdir / f"case-{i}.bin", sentinel, limit_s)
+        try:
+            name, blob = make_case(base, seed, i, str(sentinel))
+        except Exception as e:  # noqa: BLE001 - a fuzzer bug: reported, the run goes on
+            name, blob, outcome, detail = "generator", b"", "FAIL", f"{type(e).__name__}: {e}"
+        else:
+            outcome, detail = check(blob, workdir / f"case-{i}.bin", sentinel, limit_s)
         s.slowest = max(s.slowest, time.perf_counter() - c0)
         s.cases += 1
         s.by_mutation[(name, outcome)] += 1
