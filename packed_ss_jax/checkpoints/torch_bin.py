@@ -1,21 +1,19 @@
 """PyTorch `torch.save` zip files (`pytorch_model.bin`) read without torch.
 
 A `.bin` is a zip holding `<archive>/data.pkl` (a pickle of the state dict) and one
-raw little-endian file `<archive>/data/<key>` per storage. Unpickling normally runs
-whatever callables the pickle names, so here every global goes through an
-allow-list: only the records a state dict of plain tensors needs are accepted
-(`torch._utils._rebuild_tensor_v2`, the `torch.*Storage` dtype markers, which
-only ever arrive through `persistent_load`, and an empty `collections.OrderedDict`
-for the backward hooks). They map to functions defined here that build NumPy
-views; any other global stops loading with a CheckpointError before anything is
-called. Tensor data is read lazily, per tensor, from the zip.
+raw file `<archive>/data/<key>` per storage (little-endian unless `<archive>/byteorder`
+says big). The pickle is never unpickled: `torch_pickle` reads it as data, accepting
+only the records of a state dict of plain tensors, so nothing it names is called and
+no record can be changed after it was checked. Tensor data is read lazily, per
+tensor, from the zip, and every view is checked against the bytes actually read
+before it is taken: a hostile or corrupt file gets a CheckpointError, never a read
+outside its storage.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import io
-import pickle
+import os
+import struct
 import zipfile
 import zlib
 from pathlib import Path
@@ -23,111 +21,18 @@ from pathlib import Path
 import numpy as np
 
 from .errors import CheckpointError
+from .torch_pickle import LazyTensor, Storage, read_records, view_error
 
+__all__ = ["LazyTensor", "TorchBin"]
 
-def _bf16():
-    import ml_dtypes  # a jax dependency
-
-    return np.dtype(ml_dtypes.bfloat16)
-
-
-# torch storage class name -> NumPy dtype (bf16 resolved lazily).
-_STORAGES = {
-    "FloatStorage": np.dtype(np.float32),
-    "HalfStorage": np.dtype(np.float16),
-    "BFloat16Storage": "bfloat16",
-    "DoubleStorage": np.dtype(np.float64),
-    "LongStorage": np.dtype(np.int64),
-    "IntStorage": np.dtype(np.int32),
-    "ShortStorage": np.dtype(np.int16),
-    "CharStorage": np.dtype(np.int8),
-    "ByteStorage": np.dtype(np.uint8),
-    "BoolStorage": np.dtype(np.bool_),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class _StorageType:
-    name: str
-
-    @property
-    def dtype(self) -> np.dtype:
-        d = _STORAGES[self.name]
-        return _bf16() if d == "bfloat16" else d
-
-
-@dataclasses.dataclass(frozen=True)
-class _Storage:
-    key: str
-    dtype: np.dtype
-    numel: int
-
-
-@dataclasses.dataclass(frozen=True)
-class LazyTensor:
-    """A strided view into one storage; nothing is read until `TorchBin.get`."""
-
-    storage: _Storage
-    offset: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-
-
-def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False,
-                       backward_hooks=None, metadata=None):
-    if not isinstance(storage, _Storage):
-        raise CheckpointError("tensor record does not refer to a storage")
-    try:
-        shape = tuple(int(s) for s in size)
-        strides = tuple(int(s) for s in stride)
-        offset = int(storage_offset)
-    except (TypeError, ValueError):
-        raise CheckpointError("tensor record has a malformed size/stride/offset") from None
-    if len(shape) != len(strides) or offset < 0 or any(s < 0 for s in shape + strides):
-        raise CheckpointError(f"tensor record has inconsistent size {shape} / stride {strides}")
-    if all(shape):  # an empty tensor touches no element
-        last = offset + sum((n - 1) * st for n, st in zip(shape, strides))
-        if last >= storage.numel:
-            raise CheckpointError(
-                f"tensor of size {list(shape)} at offset {offset} runs past its storage "
-                f"{storage.key} of {storage.numel} elements")
-    return LazyTensor(storage, offset, shape, strides)
-
-
-def _ordered_dict(*args):
-    # Only the (empty) backward-hooks dict of a tensor record is expected here.
-    if args and args != ((),) and args != ([],):
-        raise CheckpointError("non-empty OrderedDict in a tensor record is not accepted")
-    return {}
-
-
-_ALLOWED = {
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
-    ("collections", "OrderedDict"): _ordered_dict,
-}
-
-
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, file: Path):
-        super().__init__(io.BytesIO(data))
-        self.file = file
-
-    def find_class(self, module, name):
-        if (module, name) in _ALLOWED:
-            return _ALLOWED[(module, name)]
-        if module == "torch" and name in _STORAGES:
-            return _StorageType(name)
-        raise CheckpointError(
-            f"{self.file}: refusing to load: the pickle references {module}.{name}, which is "
-            "not a tensor-rebuild record (only torch._utils._rebuild_tensor_v2, torch.*Storage "
-            "and collections.OrderedDict are accepted); nothing from it was executed")
-
-    def persistent_load(self, pid):
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
-                and isinstance(pid[1], _StorageType) and isinstance(pid[2], str)):
-            raise CheckpointError(f"{self.file}: unsupported persistent id {pid!r:.80}")
-        _, kind, key, _location, numel = pid
-        return _Storage(key, kind.dtype, int(numel))
+# A state dict's pickle is ~100 bytes per tensor; anything near this is not one.
+MAX_PICKLE_BYTES = 64 << 20
+# Deflate cannot expand data more than ~1032x, so a larger declared size is a lie
+# (a zip bomb); torch itself stores entries uncompressed.
+_DEFLATE_MAX_RATIO = 1032
+# What zipfile and zlib raise on damaged archives (beyond BadZipFile).
+_ZIP_ERRORS = (zipfile.BadZipFile, OSError, EOFError, zlib.error, struct.error, ValueError,
+               UnicodeDecodeError, NotImplementedError, RuntimeError, OverflowError)
 
 
 def _corrupt(file: Path, e: Exception) -> CheckpointError:
@@ -142,31 +47,30 @@ class TorchBin:
         self.file = Path(file)
         try:
             self.zip = zipfile.ZipFile(self.file)
-            pkls = [n for n in self.zip.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+            self.archive_bytes = os.fstat(self.zip.fp.fileno()).st_size
+            names = self.zip.namelist()
+            if len(set(names)) != len(names):
+                raise CheckpointError(f"{self.file}: the zip holds the same entry twice")
+            pkls = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
             if len(pkls) != 1:
                 raise CheckpointError(f"{self.file}: expected one data.pkl in the zip, found {pkls}")
             self.prefix = pkls[0][: -len("data.pkl")]
-            data = self.zip.read(pkls[0])
+            data = self._read(pkls[0], None, MAX_PICKLE_BYTES)
             order = self.prefix + "byteorder"
-            big = order in self.zip.namelist() and self.zip.read(order).strip() == b"big"
+            big = order in names and self._read(order, None, 16).strip() == b"big"
+        except CheckpointError:
+            raise
         except zipfile.BadZipFile as e:
-            if self.file.exists() and self.file.read_bytes()[:2] == b"\x80\x02":
+            if _starts_with(self.file, b"\x80\x02"):
                 raise CheckpointError(f"{self.file} is a legacy (pre-1.6, non-zip) torch file; "
                                       "re-save it with a current torch") from None
             raise _corrupt(self.file, e) from None
-        except (OSError, EOFError, zlib.error) as e:
+        except _ZIP_ERRORS as e:
             raise _corrupt(self.file, e) from None
         self.byteorder = ">" if big else "<"
-        try:
-            state = _Unpickler(data, self.file).load()
-        except CheckpointError:
-            raise
-        except Exception as e:  # malformed pickle streams raise many types
-            raise _corrupt(self.file, e) from None
-        if not isinstance(state, dict) or not all(
-                isinstance(k, str) and isinstance(v, LazyTensor) for k, v in state.items()):
-            raise CheckpointError(f"{self.file}: expected a state dict of tensors")
-        self.tensors: dict[str, LazyTensor] = state
+        self.tensors: dict[str, LazyTensor] = read_records(data, self.file)
+        for name, t in self.tensors.items():
+            self._entry(t.storage, name)  # missing, mis-sized or bomb storages fail here
 
     def names(self) -> list[str]:
         return list(self.tensors)
@@ -174,29 +78,100 @@ class TorchBin:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.tensors[name].shape
 
-    def _storage(self, s: _Storage) -> np.ndarray:
-        entry = f"{self.prefix}data/{s.key}"
+    def _info(self, entry: str, expected: int | None, limit: int | None) -> zipfile.ZipInfo:
+        """The zip entry, refused when its declared size is not what the record needs."""
         try:
-            raw = self.zip.read(entry)
+            info = self.zip.getinfo(entry)
         except KeyError:
-            raise CheckpointError(f"{self.file}: storage {entry} is missing") from None
-        except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as e:
+            raise CheckpointError(f"{self.file}: {entry} is missing") from None
+        size = info.file_size
+        if expected is not None and size != expected:
+            raise CheckpointError(f"{self.file}: {entry} has {size} bytes, expected {expected}")
+        if limit is not None and size > limit:
+            raise CheckpointError(f"{self.file}: {entry} declares {size} bytes, more than the "
+                                  f"{limit} allowed for it")
+        if info.flag_bits & 0x1:
+            raise CheckpointError(f"{self.file}: {entry} is encrypted")
+        if info.header_offset + info.compress_size > self.archive_bytes:
+            raise CheckpointError(f"{self.file}: {entry} declares {info.compress_size} bytes "
+                                  "past the end of the file")
+        if info.compress_type == zipfile.ZIP_STORED:
+            if info.compress_size != size:
+                raise CheckpointError(f"{self.file}: {entry} is stored with {info.compress_size} "
+                                      f"bytes but declares {size}")
+        elif info.compress_type == zipfile.ZIP_DEFLATED:
+            if size > _DEFLATE_MAX_RATIO * info.compress_size + 64:
+                raise CheckpointError(f"{self.file}: {entry} declares {size} bytes from "
+                                      f"{info.compress_size} deflated ones (a zip bomb?)")
+        else:
+            raise CheckpointError(f"{self.file}: {entry} uses zip compression method "
+                                  f"{info.compress_type}, which torch never writes")
+        return info
+
+    def _read(self, entry: str, expected: int | None, limit: int | None = None) -> bytes:
+        info = self._info(entry, expected, limit)
+        with self.zip.open(info) as f:  # zipfile stops at the declared size and checks the CRC
+            raw = f.read(info.file_size + 1)
+        if len(raw) != info.file_size:
+            raise CheckpointError(f"{self.file}: {entry} holds {len(raw)} bytes, "
+                                  f"declared {info.file_size}")
+        return raw
+
+    def _entry(self, s: Storage, name: str, read: bool = False):
+        """The storage's zip entry checked (and its bytes, when `read`)."""
+        entry = f"{self.prefix}data/{s.key}"
+        expected = s.numel * s.dtype.itemsize
+        try:
+            return self._read(entry, expected) if read else self._info(entry, expected, None)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e} (the storage of tensor {name!r}: {s.numel} x "
+                                  f"{s.dtype.itemsize} bytes)") from None
+        except _ZIP_ERRORS as e:
             raise _corrupt(self.file, e) from None
+
+    def _storage(self, s: Storage, name: str) -> np.ndarray:
+        raw = self._entry(s, name, read=True)
         dtype = s.dtype.newbyteorder(self.byteorder) if s.dtype.itemsize > 1 else s.dtype
-        if len(raw) != s.numel * dtype.itemsize:
-            raise CheckpointError(f"{self.file}: storage {entry} has {len(raw)} bytes, expected "
-                                  f"{s.numel} x {dtype.itemsize}")
         return np.frombuffer(raw, dtype)
 
     def get(self, name: str) -> np.ndarray:
         t = self.tensors[name]
-        flat = self._storage(t.storage)
-        item = flat.dtype.itemsize
-        view = np.lib.stride_tricks.as_strided(
-            flat[t.offset:], shape=t.shape, strides=tuple(s * item for s in t.stride),
-            writeable=False)
-        return np.ascontiguousarray(view).astype(flat.dtype.newbyteorder("="), copy=False)
+        flat = self._storage(t.storage, name)
+        # Checked again here, against the bytes in hand: this is the read that must not
+        # leave them, whatever the record claimed when it was parsed.
+        why = view_error(t.offset, t.shape, t.stride, flat.size)
+        if why:
+            raise CheckpointError(f"{self.file}: tensor {name!r}: {why} (storage "
+                                  f"{t.storage.key} of {flat.size} elements)")
+        native = flat.dtype.newbyteorder("=")
+        if 0 in t.shape:
+            return np.zeros(t.shape, native)
+        n = int(np.prod(t.shape))
+        if t.stride == _contiguous(t.shape):  # the usual case: a slice, which cannot overrun
+            view = flat[t.offset:t.offset + n].reshape(t.shape)
+        else:
+            item = flat.dtype.itemsize
+            view = np.lib.stride_tricks.as_strided(
+                flat[t.offset:], shape=t.shape, strides=tuple(s * item for s in t.stride),
+                writeable=False)
+        return np.asarray(view, order="C").astype(native, copy=False)  # keeps 0-d tensors 0-d
 
     def shares_storage(self, a: str, b: str) -> bool:
         """True when two names are the same view of one storage (a tied head)."""
         return self.tensors[a] == self.tensors[b]
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
+def _starts_with(file: Path, magic: bytes) -> bool:
+    try:
+        with open(file, "rb") as f:
+            return f.read(len(magic)) == magic
+    except OSError:
+        return False
