@@ -13,31 +13,44 @@ given, or chosen per schedule by the paper's throughput probe on the first promp
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from packed_ss_jax import cli
+from packed_ss_jax.cli import Parser, UsageError, run_command
+
 from . import stats, tasks, timing
 
 SCHEDULES = ("ar", "linear", "quadratic", "packed")
 
 
+def _size(text: str, spec: str) -> int:
+    text = text.strip()
+    if not text.isdigit() or int(text) < 2:
+        raise ValueError(f"--block-size: block sizes must be integers >= 2, got {spec!r}")
+    return int(text)
+
+
 def parse_block_sizes(spec: str | None, schedules) -> dict[str, int | None]:
-    """'16' for all, or 'packed=32,linear=32,quadratic=8'."""
+    """'16' for all, or 'packed=32,linear=32,quadratic=8'; every size an integer >= 2."""
     out = {s: None for s in schedules}
     if not spec:
         return out
     if "=" not in spec:
-        return {s: int(spec) for s in schedules}
-    for part in spec.split(","):
-        name, _, value = part.partition("=")
+        size = _size(spec, spec)
+        return {s: size for s in schedules}
+    for part in filter(None, (x.strip() for x in spec.split(","))):
+        name, eq, value = (x.strip() for x in part.partition("="))
+        if not eq:
+            raise ValueError(f"--block-size: {part!r} is not SCHEDULE=SIZE (in {spec!r})")
         if name not in out:
             raise ValueError(f"--block-size names {name!r}, which is not among --schedules")
-        out[name] = int(value)
+        out[name] = _size(value, spec)
     return out
 
 
@@ -66,6 +79,10 @@ def run(model, prompts, schedules, block_sizes, *, capacity: int, temperature=0.
     """
     import packed_ss_jax as ps
 
+    if not prompts:
+        raise ValueError("no prompts to run")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
     per = {s: {"tokens": [], "wall_s": [], "nfe": [], "iterations": [], "model_s": [],
                "correct": [], "hist": None} for s in schedules}
     if split is not None and split not in SPLITS:
@@ -170,6 +187,8 @@ def cache_size_for(model, prompts, max_new_tokens=None) -> int:
 
 def summarize(model_name: str, task: str, per: dict, block_sizes, config_block: int,
               resamples: int = stats.RESAMPLES) -> dict:
+    if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 1:
+        raise ValueError(f"resamples must be an integer >= 1, got {resamples!r}")
     n = len(next(iter(per.values()))["tokens"])
     results = {}
     for s, d in per.items():
@@ -228,17 +247,30 @@ def markdown(summary: dict) -> str:
     return "\n".join(rows + hist)
 
 
-def plot(summary: dict, path: str) -> None:
-    """Figure 3: throughput, tokens/NFE and time/NFE as ratios to Linear-SS, 95% error bars."""
+def check_plot(path: str, schedules) -> None:
+    """What --plot needs, checked before the run: Linear-SS (the ratios' baseline),
+    matplotlib, and an image format it writes."""
+    if "linear" not in schedules:
+        raise UsageError("--plot needs linear among --schedules (ratios are to Linear-SS)")
     try:
         import matplotlib
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
+        raise UsageError("--plot needs matplotlib: pip install matplotlib") from None
+    ext = Path(path).suffix.lstrip(".").lower()
+    formats = Figure().canvas.get_supported_filetypes()
+    if ext and ext not in formats:
+        raise UsageError(f"--plot {path}: matplotlib cannot write {ext!r} files; use one of "
+                         f"{sorted(formats)}")
+
+
+def plot(summary: dict, path: str) -> None:
+    """Figure 3: throughput, tokens/NFE and time/NFE as ratios to Linear-SS, 95% error bars."""
+    check_plot(path, list(summary["results"]))
+    import matplotlib.pyplot as plt
+
     ratios = summary["ratios_to_linear"]
-    if not ratios:
-        raise SystemExit("--plot needs linear among --schedules (ratios are to Linear-SS)")
     names = list(ratios)
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
     for ax, (metric, title) in zip(axes, [("throughput", "throughput"),
@@ -281,10 +313,59 @@ def profile(model, prompt, schedules, block_sizes, out_dir: str, max_new: int = 
         (out / "hlo" / name).write_text(exe.as_text())
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="packed-ss bench", description=__doc__.split("\n\n")[0])
+def check_output_file(path: str, flag: str) -> None:
+    """Refuses an output file that could not be written, before the run (creates nothing)."""
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{flag} {path} is a directory; give a file name")
+    parent = p.parent
+    if parent.exists() and not parent.is_dir():
+        raise UsageError(f"{flag} {path}: {parent} is not a directory")
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {path}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise UsageError(f"{flag} {path}: not writable")
+
+
+def check_output_dir(path: str, flag: str) -> None:
+    """Refuses an output directory that could not be created or written, before the run."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{flag} {path} exists and is not a directory")
+    existing = p
+    while not existing.exists():  # the directories that mkdir(parents=True) would create
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"{flag} {path}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: {existing} is not writable")
+
+
+def check_distinct(paths: dict[str, str | None]) -> None:
+    seen = {}
+    for flag, path in paths.items():
+        if path is None:
+            continue
+        key = Path(path).resolve()
+        if key in seen:
+            raise UsageError(f"{seen[key]} and {flag} name the same path {path}")
+        seen[key] = flag
+
+
+MAX_BOOTSTRAP_ENTRIES = 200_000_000  # resamples x prompts indices (8 bytes each) in memory
+
+
+def main(argv: list[str] | None = None, prog: str = "packed-ss bench") -> int:
+    """`packed-ss bench`; every argument is checked before the model is loaded or anything
+    is compiled, so a careless command line fails at once, not after the run."""
+    return run_command(prog, _main, argv)
+
+
+def _main(argv: list[str] | None, prog: str) -> int:
+    p = Parser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
     p.add_argument("--task", default="arithmetic",
+                   choices=sorted(tasks.OFFLINE_TASKS) + sorted(tasks.FILE_TASKS),
                    help=f"one of {sorted(tasks.OFFLINE_TASKS) + sorted(tasks.FILE_TASKS)}")
     p.add_argument("--data", help="local task file in its public jsonl format (paper tasks)")
     p.add_argument("--schedules", default=",".join(SCHEDULES))
@@ -293,48 +374,82 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"choose each schedule's B as in App. F.1: the highest throughput on the "
                         f"first {PROBE_PROMPTS} prompts among these sizes, e.g. 4,8,16 (with "
                         f"--repeats as set; a size given by --block-size wins)")
-    p.add_argument("--repeats", type=int, default=1,
+    p.add_argument("--repeats", type=cli.int_at_least(1), default=1,
                    help="decode each prompt this many times per schedule and keep the fastest "
                         "wall time (less timing noise; tokens are identical)")
     p.add_argument("--split", choices=SPLITS, default="null",
                    help="how the model / non-model time split is measured: null (a decode whose "
                         "forward computes nothing) or doubled (every forward done twice)")
-    p.add_argument("--limit", type=int, default=None, help="first N prompts (offline tasks: 100)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="override the task's output cap")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resamples", type=int, default=stats.RESAMPLES)
+    p.add_argument("--limit", type=cli.int_at_least(1), default=None,
+                   help="first N prompts (offline tasks: 100)")
+    p.add_argument("--max-new-tokens", type=cli.int_at_least(1), default=None,
+                   help="override the task's output cap")
+    p.add_argument("--temperature", type=cli.temperature, default=0.0)
+    p.add_argument("--seed", type=cli.seed, default=0,
+                   help="prompt i is decoded with seed + i")
+    p.add_argument("--resamples", type=cli.int_at_least(1), default=stats.RESAMPLES,
+                   help=f"bootstrap resamples (at least 1; default {stats.RESAMPLES})")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--plot", help="write Figure 3 (ratios to Linear-SS) here (PNG)")
     p.add_argument("--profile", help="write a jax.profiler trace and optimised HLO here")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = p.parse_args(argv)
 
-    import packed_ss_jax as ps
-
-    schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    # Everything that can be checked without the model, before it is loaded.
+    schedules = list(dict.fromkeys(s.strip() for s in args.schedules.split(",") if s.strip()))
     bad = [s for s in schedules if s not in SCHEDULES]
     if bad or not schedules:
-        p.error(f"--schedules: unknown {bad}; choose from {list(SCHEDULES)}")
+        p.error(f"--schedules: unknown {bad}; choose from {list(SCHEDULES)}" if bad else
+                f"--schedules: none given; choose from {list(SCHEDULES)}")
     try:
         block_sizes = parse_block_sizes(args.block_size, schedules)
         sizes = parse_probe(args.probe) if args.probe else []
-        if args.repeats < 1:
-            raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
-        if sizes and all(s == "ar" or block_sizes[s] for s in schedules):
-            raise ValueError("--probe: every schedule's block size is already fixed by "
-                             "--block-size (or only ar is run); nothing to probe")
-        model = ps.load(args.model, dtype=args.dtype) if args.model else ps.load(dtype=args.dtype)
-        prompts = tasks.load(args.task, args.data, args.limit)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"packed-ss bench: error: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if sizes and all(s == "ar" or block_sizes[s] for s in schedules):
+        raise UsageError("--probe: every schedule's block size is already fixed by "
+                         "--block-size (or only ar is run); nothing to probe")
+    if args.data is not None and args.task in tasks.OFFLINE_TASKS:
+        raise UsageError(f"--data is for the file tasks {sorted(tasks.FILE_TASKS)}; "
+                         f"task {args.task!r} is generated offline")
+    if args.json:
+        check_output_file(args.json, "--json")
+    if args.plot:
+        check_output_file(args.plot, "--plot")
+        check_plot(args.plot, schedules)
+    if args.profile:
+        check_output_dir(args.profile, "--profile")
+    check_distinct({"--json": args.json, "--plot": args.plot, "--profile": args.profile})
+    prompts = tasks.load(args.task, args.data, args.limit)
+    if args.seed + len(prompts) - 1 >= 2**32:
+        raise UsageError(f"--seed {args.seed}: prompt i is decoded with seed + i, which must "
+                         f"stay below 2**32 for all {len(prompts)} prompts")
+    if args.resamples * len(prompts) > MAX_BOOTSTRAP_ENTRIES:
+        raise UsageError(f"--resamples {args.resamples} x {len(prompts)} prompts is more "
+                         f"bootstrap indices than fit in memory (at most "
+                         f"{MAX_BOOTSTRAP_ENTRIES:,})")
+
+    import packed_ss_jax as ps
+
+    model = ps.load(args.model, dtype=args.dtype) if args.model else ps.load(dtype=args.dtype)
+    if model.config.family != "nemotron":
+        raise UsageError(f"bench decodes with block sizes (Nemotron-Labs-Diffusion); "
+                         f"{args.model} is a {model.config.family} checkpoint")
+    capacity = cache_size_for(model, prompts, args.max_new_tokens)
+    # Checked before anything is compiled: every block (and probed size) fits the cache.
+    fixed = {s: block_sizes[s] or model.config.block_size for s in schedules
+             if s != "ar" and not (sizes and not block_sizes[s])}  # probed ones: below
+    used = {f"{s} B={B}": B for s, B in fixed.items()}
+    used.update({f"--probe {B}": B for B in sizes})
+    too_big = [name for name, B in used.items() if B > capacity]
+    if too_big:
+        raise UsageError(f"block sizes larger than the task's cache ({capacity} slots): "
+                         f"{', '.join(too_big)}")
     name = args.model or "embedded"
     print(f"{name}: {len(prompts)} {args.task} prompts, schedules {schedules}, "
           f"temperature {args.temperature}", file=sys.stderr)
     kw = dict(temperature=args.temperature, seed=args.seed, max_new_tokens=args.max_new_tokens,
-              repeats=args.repeats,
-              capacity=cache_size_for(model, prompts, args.max_new_tokens))
+              repeats=args.repeats, capacity=capacity)
     probe_rows = []
     if sizes:
         block_sizes, probe_rows = probe(model, prompts, schedules, sizes, block_sizes, **kw)

@@ -9,8 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import engine
-from .sampling import Sampler
+from . import engine, requests
 from .schedules import SCHEDULES
 
 DEFAULT_CACHE_SIZE = 4096
@@ -47,6 +46,7 @@ def logits(model, tokens, positions, mask, draft_rows=None) -> np.ndarray:
 
     `draft_rows` ([T] bool, optional) switches the draft-only adapter on for those rows.
     """
+    requests.check_model(model)
     tokens = np.asarray(tokens)
     positions = np.asarray(positions)
     mask = np.asarray(mask, bool)
@@ -54,7 +54,7 @@ def logits(model, tokens, positions, mask, draft_rows=None) -> np.ndarray:
     if tokens.ndim != 1 or positions.shape != (T,) or mask.shape != (T, T):
         raise ValueError(f"expected tokens [T], positions [T], mask [T, T]; got {tokens.shape}, "
                          f"{positions.shape}, {mask.shape}")
-    _check_ids(tokens, model.vocab_size, "tokens")
+    requests.check_ids(tokens, model.vocab_size, "tokens")
     rows = np.zeros(T, bool) if draft_rows is None else np.asarray(draft_rows, bool)
     out, _ = _forward_nocache(model)(model.params, jnp.asarray(tokens, jnp.int32),
                                      jnp.asarray(positions, jnp.int32), jnp.asarray(mask),
@@ -70,29 +70,6 @@ def _forward_nocache(model):
         _nocache[model.key] = jax.jit(
             lambda p, t, pos, m, r: model.forward(p, t, pos, m, model.empty_cache(0), 0, r))
     return _nocache[model.key]
-
-
-def _check_ids(ids: np.ndarray, vocab: int, what: str):
-    bad = ids[(ids < 0) | (ids >= vocab)]
-    if bad.size:
-        raise ValueError(f"{what} contain ids outside the vocabulary [0, {vocab}): "
-                         f"{sorted(set(bad.tolist()))[:10]}")
-
-
-def _prompt_ids(model, prompt) -> np.ndarray:
-    if isinstance(prompt, str):
-        if model.tokenizer is None:
-            raise ValueError("prompt is a string but this model has no tokenizer; pass token ids")
-        ids = model.tokenizer.encode(prompt).ids
-    else:
-        ids = list(prompt)
-        if any(isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)) for t in ids):
-            raise TypeError("prompt must be a string or a sequence of integer token ids")
-    if not ids:
-        raise ValueError("prompt is empty: at least one token is needed")
-    ids = np.asarray(ids, np.int64)
-    _check_ids(ids, model.vocab_size, "prompt")
-    return ids.astype(np.int32)
 
 
 def decode(model, prompt: str | Sequence[int], *, schedule: str = "packed",
@@ -119,42 +96,31 @@ def decode(model, prompt: str | Sequence[int], *, schedule: str = "packed",
     (temperature > 0) with order "ltr" and the schedules other than "native"; see
     `packed_ss_jax.setdlm.decode.decode`.
     """
+    requests.check_model(model)
     if getattr(getattr(model, "config", None), "family", None) == "setdlm":
         return _setdlm(model, prompt, locals())
     if window is not None or order != "ltr" or stop_sequences:
-        raise ValueError("window, order and stop_sequences apply to SetDLM models only; "
-                         "this model decodes with block_size")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; expected one of {sorted(SCHEDULES)}")
-    sampler = Sampler(temperature, top_k, top_p)
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
-        raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
-    if sampler.greedy:
-        sampler = Sampler()  # truncation does not change an argmax: one greedy program
+        raise requests.InputError("window, order and stop_sequences apply to SetDLM models "
+                                  "only; this model decodes with block_size")
+    if not isinstance(schedule, str) or schedule not in SCHEDULES:
+        raise requests.InputError(f"unknown schedule {schedule!r}; expected one of "
+                                  f"{sorted(SCHEDULES)}")
+    sampler = requests.sampler(temperature, top_k, top_p)
+    seed = requests.seed(seed)
     config = getattr(model, "config", None)
     if block_size is None:
         block_size = getattr(config, "block_size", 8)
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 2:
-        raise ValueError(f"block_size must be an integer >= 2, got {block_size!r}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
-            or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if eos_id == -1:
-        eos_id = getattr(config, "eos_token_id", None)
-    if eos_id is not None and not 0 <= eos_id < model.vocab_size:
-        raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, {model.vocab_size})")
-    if cache_size is None:
-        cache_size = min(DEFAULT_CACHE_SIZE, getattr(config, "max_position_embeddings",
-                                                     DEFAULT_CACHE_SIZE))
-    ids = _prompt_ids(model, prompt)
-    if len(ids) + max_new_tokens > cache_size:
-        raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = "
-                         f"{len(ids) + max_new_tokens} exceeds the cache ({cache_size} slots); "
-                         "shorten the request or pass a larger cache_size")
-    B = 1 if schedule == "ar" else int(block_size)
+    block_size = requests.integer(block_size, "block_size", 2)
+    max_new_tokens = requests.integer(max_new_tokens, "max_new_tokens", 1)
+    eos_id = requests.eos_id(eos_id, config, model.vocab_size)
+    B = 1 if schedule == "ar" else block_size
+    cache_size = requests.cache_size(cache_size, config, block=B, block_name="block_size",
+                                     default=DEFAULT_CACHE_SIZE)
+    ids = requests.prompt_ids(model, prompt)
+    requests.fits(len(ids), max_new_tokens, cache_size)
     raw = engine.run(model, model.params, ids, schedule=schedule, block_size=B,
-                     max_new=int(max_new_tokens), eos_id=eos_id, capacity=int(cache_size),
-                     sampler=sampler, seed=int(seed))
+                     max_new=max_new_tokens, eos_id=eos_id, capacity=cache_size,
+                     sampler=sampler, seed=seed)
     tokens = raw.tokens.tolist()
     text = model.tokenizer.decode(tokens) if getattr(model, "tokenizer", None) is not None else None
     return DecodeResult(tokens=tokens, nfe=raw.nfe, iterations=raw.iterations,
@@ -167,7 +133,7 @@ def _setdlm(model, prompt, args):
     from .setdlm.decode import decode as setdlm_decode
 
     if args["block_size"] is not None:
-        raise ValueError("SetDLM models take window= (W), not block_size")
+        raise requests.InputError("SetDLM models take window= (W), not block_size")
     return setdlm_decode(model, prompt, schedule=args["schedule"], window=args["window"],
                          order=args["order"], stop_sequences=args["stop_sequences"],
                          max_new_tokens=args["max_new_tokens"], eos_id=args["eos_id"],

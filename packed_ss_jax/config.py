@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any, Mapping
+
+import numpy as np
 
 NEMOTRON_MODEL_TYPE = "nemotron_labs_diffusion"
 SETDLM_MODEL_TYPE = "bd3lm"
@@ -20,6 +23,16 @@ DTYPES = ("float32", "bfloat16")
 
 class ConfigError(ValueError):
     """A config.json that cannot describe a supported model."""
+
+
+_INT_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+               "intermediate_size", "mask_token_id", "block_size", "max_position_embeddings",
+               "rope_original_max_position", "lora_rank")
+_OPTIONAL_INT_FIELDS = ("eos_token_id", "bos_token_id")
+_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "rope_factor", "rope_beta_fast", "rope_beta_slow",
+                 "rope_mscale", "rope_mscale_all_dim", "llama4_scaling_beta", "lora_alpha")
+_BOOL_FIELDS = ("qk_norm", "tie_embeddings")
+_STR_FIELDS = ("family", "rope_type", "dtype")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,14 +70,18 @@ class ModelConfig:
     dtype: str = "float32"
 
     def __post_init__(self):
+        self._normalise_types()
         if self.family not in FAMILIES:
             raise ConfigError(f"unknown model family {self.family!r}; expected one of {FAMILIES}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; expected one of {DTYPES}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "intermediate_size"):
-            if int(getattr(self, name)) < 1:
+                     "head_dim", "intermediate_size", "block_size", "max_position_embeddings"):
+            if getattr(self, name) < 1:
                 raise ConfigError(f"config field {name} must be >= 1, got {getattr(self, name)}")
+        for name in ("rope_original_max_position", "lora_rank"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"config field {name} must be >= 0, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -76,6 +93,38 @@ class ModelConfig:
                 f"mask_token_id {self.mask_token_id} is outside the vocabulary of {self.vocab_size}")
         if self.rope_type not in ("default", "yarn"):
             raise ConfigError(f"unsupported rope type {self.rope_type!r}; expected 'default' or 'yarn'")
+
+    def _normalise_types(self):
+        """Every field of its declared type (NumPy scalars become Python ones): the config
+        is hashed into every compiled program, and a string or a bool in a size would
+        fail far from here."""
+        def put(name, value):
+            object.__setattr__(self, name, value)
+
+        for name in _INT_FIELDS + _OPTIONAL_INT_FIELDS:
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL_INT_FIELDS:
+                continue
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+                raise ConfigError(f"config field {name} must be an integer, got {value!r}")
+            put(name, int(value))
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
+                                                                             np.floating)):
+                raise ConfigError(f"config field {name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ConfigError(f"config field {name} must be finite, got {value!r}")
+            put(name, float(value))
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, (bool, np.bool_)):
+                raise ConfigError(f"config field {name} must be true or false, got {value!r}")
+            put(name, bool(value))
+        for name in _STR_FIELDS:
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"config field {name} must be a string, "
+                                  f"got {getattr(self, name)!r}")
 
     @property
     def num_groups(self) -> int:
@@ -94,87 +143,218 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"a ModelConfig is read from a mapping of its fields, got "
+                              f"{type(d).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ConfigError(f"unknown ModelConfig fields: {unknown}")
+        missing = sorted(f.name for f in dataclasses.fields(cls)
+                         if f.name not in d and f.default is dataclasses.MISSING)
+        if missing:
+            raise ConfigError(f"ModelConfig fields missing: {missing}")
         return cls(**d)
 
 
-def _first_id(value) -> int | None:
+# --- reading config.json fields -------------------------------------------------------------
+# Each field is read by one of these helpers, which name the field and the file when the
+# value is missing, null where a value is needed, or of the wrong type. JSON null (or an
+# absent key) takes the default where there is one, as transformers does.
+
+REQUIRED = object()
+
+
+class ConfigFile(dict):
+    """The contents of a config.json, remembering the file it came from (for messages)."""
+
+    file: Path | None = None
+
+
+class Section(dict):
+    """A nested object of a config, remembering its path (for messages)."""
+
+    prefix: str = ""
+
+
+def _name(cfg: Mapping[str, Any], key: str) -> str:
+    return getattr(cfg, "prefix", "") + key
+
+
+def where(cfg: Mapping[str, Any], label: str) -> str:
+    """How messages name a config: its label and, when known, its file."""
+    file = getattr(cfg, "file", None)
+    return f"{label} ({file})" if file is not None else label
+
+
+def _show(value) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _get(cfg: Mapping[str, Any], key: str, place: str, default, kind: str, error):
+    value = cfg.get(key)
+    if value is None and default is REQUIRED:
+        if key in cfg:
+            raise error(f"{place}: field {_name(cfg, key)!r} is null; it must be {kind}")
+        raise error(f"{place} is missing the field {_name(cfg, key)!r}")
+    return value
+
+
+def int_field(cfg: Mapping[str, Any], key: str, place: str, default: Any = REQUIRED, *,
+              minimum: int | None = None, error: type[Exception] = ConfigError):
+    """cfg[key] as an int (`default` when absent or null). Integral floats (4096.0, as some
+    writers emit) are accepted; fractions, strings and booleans are not."""
+    value = _get(cfg, key, place, default, "an integer", error)
     if value is None:
-        return None
-    if isinstance(value, (list, tuple)):
-        return int(value[0]) if value else None
+        return default
+    if isinstance(value, (float, np.floating)) and float(value).is_integer():
+        value = int(value)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise error(f"{place}: field {_name(cfg, key)!r} must be an integer, got {_show(value)}")
+    if minimum is not None and value < minimum:
+        raise error(f"{place}: field {_name(cfg, key)!r} must be >= {minimum}, got {value}")
     return int(value)
 
 
-def _require(cfg: Mapping[str, Any], key: str, where: str):
-    if key not in cfg:
-        raise ConfigError(f"{where} is missing the field {key!r}")
-    return cfg[key]
+def float_field(cfg: Mapping[str, Any], key: str, place: str, default: Any = REQUIRED, *,
+                positive: bool = False, error: type[Exception] = ConfigError):
+    """cfg[key] as a finite float (`default` when absent or null)."""
+    value = _get(cfg, key, place, default, "a number", error)
+    if value is None:
+        return default
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)) \
+            or not math.isfinite(value):
+        raise error(f"{place}: field {_name(cfg, key)!r} must be a finite number, "
+                    f"got {_show(value)}")
+    if positive and value <= 0:
+        raise error(f"{place}: field {_name(cfg, key)!r} must be > 0, got {value}")
+    return float(value)
+
+
+def bool_field(cfg: Mapping[str, Any], key: str, place: str, default: bool) -> bool:
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ConfigError(f"{place}: field {_name(cfg, key)!r} must be true or false, "
+                          f"got {_show(value)}")
+    return value
+
+
+def section(cfg: Mapping[str, Any], key: str, place: str) -> Section:
+    """A nested object (an empty one when absent or null)."""
+    value = cfg.get(key)
+    if value is not None and not isinstance(value, Mapping):
+        raise ConfigError(f"{place}: field {_name(cfg, key)!r} must be an object, "
+                          f"got {_show(value)}")
+    out = Section(value or {})
+    out.prefix = _name(cfg, key) + "."
+    return out
+
+
+def _first_id(cfg: Mapping[str, Any], key: str, place: str) -> int | None:
+    """A token id that may be written as a list of ids (the first is used)."""
+    value = cfg.get(key)
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return None
+        first = Section({key: value[0]})
+        first.prefix = getattr(cfg, "prefix", "")
+        return int_field(first, key, place, minimum=0)
+    return int_field(cfg, key, place, None, minimum=0)
+
+
+def _require_object(cfg, place: str) -> None:
+    if not isinstance(cfg, Mapping):
+        raise ConfigError(f"{place} must be a JSON object ({{...}}), got {type(cfg).__name__}")
 
 
 def nemotron_from_hf(cfg: Mapping[str, Any], dtype: str = "float32") -> ModelConfig:
     """Reads a Nemotron-Labs-Diffusion `config.json` (Ministral-3 backbone)."""
-    where = "Nemotron-Labs-Diffusion config.json"
-    hidden = int(_require(cfg, "hidden_size", where))
-    heads = int(_require(cfg, "num_attention_heads", where))
+    place = where(cfg, "Nemotron-Labs-Diffusion config.json")
+    _require_object(cfg, place)
+    hidden = int_field(cfg, "hidden_size", place, minimum=1)
+    heads = int_field(cfg, "num_attention_heads", place, minimum=1)
     # Ministral-3 decouples head_dim from hidden/heads (the 3B model maps 3072 -> 4096).
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    head_dim = int_field(cfg, "head_dim", place, None) or hidden // heads
     # transformers >= 5 writes `rope_parameters`; older configs use rope_theta + rope_scaling.
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 1e6)))
+    rope_key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    rope = section(cfg, rope_key, place)
+    rope_theta = float_field(rope, "rope_theta", place, None, positive=True)
+    if rope_theta is None:
+        rope_theta = float_field(cfg, "rope_theta", place, 1e6, positive=True)
     rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
     if rope_type not in ("default", "yarn"):
-        raise ConfigError(f"{where}: unsupported rope_type {rope_type!r}")
+        raise ConfigError(f"{place}: unsupported rope_type {_show(rope_type)}")
     mask_id = cfg.get("mask_token_id")
     if mask_id is None:
-        raise ConfigError(f"{where} has no mask_token_id: the drafter needs a MASK token")
+        raise ConfigError(f"{place} has no mask_token_id: the drafter needs a MASK token")
     return ModelConfig(
         family="nemotron",
-        vocab_size=int(_require(cfg, "vocab_size", where)),
+        vocab_size=int_field(cfg, "vocab_size", place, minimum=1),
         hidden_size=hidden,
-        num_layers=int(_require(cfg, "num_hidden_layers", where)),
+        num_layers=int_field(cfg, "num_hidden_layers", place, minimum=1),
         num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        num_kv_heads=int_field(cfg, "num_key_value_heads", place, None) or heads,
         head_dim=head_dim,
-        intermediate_size=int(_require(cfg, "intermediate_size", where)),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-        mask_token_id=int(mask_id),
-        eos_token_id=_first_id(cfg.get("eos_token_id")),
-        bos_token_id=_first_id(cfg.get("bos_token_id")),
-        block_size=int(cfg.get("block_size") or 32),
-        max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
+        intermediate_size=int_field(cfg, "intermediate_size", place, minimum=1),
+        rms_norm_eps=float_field(cfg, "rms_norm_eps", place, 1e-5, positive=True),
+        mask_token_id=int_field(cfg, "mask_token_id", place, minimum=0),
+        eos_token_id=_first_id(cfg, "eos_token_id", place),
+        bos_token_id=_first_id(cfg, "bos_token_id", place),
+        # The default block size of the speculative schedules: B >= 2.
+        block_size=int_field(cfg, "block_size", place, None, minimum=2) or 32,
+        max_position_embeddings=int_field(cfg, "max_position_embeddings", place, None,
+                                          minimum=1) or 4096,
         rope_theta=rope_theta,
         rope_type=rope_type,
-        rope_factor=float(rope.get("factor", 1.0)),
-        rope_original_max_position=int(rope.get("original_max_position_embeddings", 0) or 0),
-        rope_beta_fast=float(rope.get("beta_fast", 32.0)),
-        rope_beta_slow=float(rope.get("beta_slow", 1.0)),
-        rope_mscale=float(rope.get("mscale", 1.0) or 1.0),
-        rope_mscale_all_dim=float(rope.get("mscale_all_dim", 1.0) or 1.0),
-        llama4_scaling_beta=float(rope.get("llama_4_scaling_beta", 0.0) or 0.0),
+        rope_factor=float_field(rope, "factor", place, 1.0, positive=True),
+        rope_original_max_position=int_field(rope, "original_max_position_embeddings", place,
+                                             0, minimum=0),
+        rope_beta_fast=float_field(rope, "beta_fast", place, 32.0),
+        rope_beta_slow=float_field(rope, "beta_slow", place, 1.0),
+        rope_mscale=float_field(rope, "mscale", place, None) or 1.0,
+        rope_mscale_all_dim=float_field(rope, "mscale_all_dim", place, None) or 1.0,
+        llama4_scaling_beta=float_field(rope, "llama_4_scaling_beta", place, 0.0),
         qk_norm=False,
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_embeddings=bool_field(cfg, "tie_word_embeddings", place, False),
         dtype=dtype,
     )
 
 
-def read_hf_config(path: str | Path) -> dict[str, Any]:
+def read_hf_config(path: str | Path) -> ConfigFile:
+    """A config.json (the file, or the directory holding it) as a dict; a clear error when
+    it is missing, unreadable, not UTF-8, not JSON or not a JSON object."""
     path = Path(path)
-    file = path / "config.json" if path.is_dir() else path
+    # A directory holds its config.json; one named *.json was meant as the file itself.
+    file = path / "config.json" if path.is_dir() and path.suffix != ".json" else path
+    if file.is_dir():
+        raise ConfigError(f"{file} is a directory, not a config file")
     if not file.exists():
         raise FileNotFoundError(f"no config.json in {path}")
     try:
-        return json.loads(file.read_text())
+        cfg = json.loads(file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{file} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{file} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {file}: {e.strerror or e}") from None
+    _require_object(cfg, str(file))
+    out = ConfigFile(cfg)
+    out.file = file
+    return out
 
 
 def _base_config(base) -> dict[str, Any]:
     if isinstance(base, Mapping):
-        return dict(base)
+        return base
+    if not isinstance(base, (str, Path)):
+        raise ConfigError(f"base_config must be a dict or the path of a config.json, got "
+                          f"{type(base).__name__}")
     return read_hf_config(base)
 
 
@@ -189,63 +369,81 @@ def setdlm_from_hf(cfg: Mapping[str, Any], dtype: str = "float32",
     release's loader does. The vocabulary is sized from the backbone (the embedding rows),
     never from the top-level `vocab_size`, which is the tokenizer length.
     """
-    where = "SetDLM config.json"
-    archs = [str(a).lower() for a in cfg.get("architectures") or []]
-    if archs and not any("setdlm" in a for a in archs):
-        raise ConfigError(f"{where}: architectures {cfg.get('architectures')} is not SetDLM "
+    place = where(cfg, "SetDLM config.json")
+    _require_object(cfg, place)
+    archs = cfg.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
+    if not isinstance(archs, list):
+        raise ConfigError(f"{place}: field 'architectures' must be a list, got {_show(archs)}")
+    if archs and not any("setdlm" in str(a).lower() for a in archs):
+        raise ConfigError(f"{place}: architectures {cfg.get('architectures')} is not SetDLM "
                           "(other BD3LM-style models are not supported)")
-    backbone = dict(cfg.get("backbone_config") or {})
+    backbone = section(cfg, "backbone_config", place)
     if base_config is not None:
         qwen = _base_config(base_config)
+        bplace = where(qwen, "SetDLM backbone (Qwen3) config")
+        _require_object(qwen, bplace)
     elif cfg.get("qwen3_config"):
-        qwen = dict(cfg["qwen3_config"])
+        qwen = section(cfg, "qwen3_config", place)
+        bplace = place
     else:
         name = backbone.get("pretrained_model_name_or_path", "<unnamed>")
         raise ConfigError(
-            f"{where} names its backbone {name!r} (backbone_config.pretrained_model_name_or_path) "
+            f"{place} names its backbone {name!r} (backbone_config.pretrained_model_name_or_path) "
             "but does not carry its dimensions: pass base_config= the config.json of that model "
             "(a path to the file or its directory, or a dict)")
-    bwhere = "SetDLM backbone (Qwen3) config"
     if qwen.get("model_type", "qwen3") != "qwen3":
-        raise ConfigError(f"{bwhere}: model_type {qwen.get('model_type')!r}, expected 'qwen3'")
-    if qwen.get("rope_scaling") or (qwen.get("rope_parameters") or {}).get("rope_type",
-                                                                          "default") != "default":
-        raise ConfigError(f"{bwhere}: only plain RoPE is supported (rope_scaling must be null)")
-    hidden = int(_require(qwen, "hidden_size", bwhere))
-    heads = int(_require(qwen, "num_attention_heads", bwhere))
-    base_layers = int(_require(qwen, "num_hidden_layers", bwhere))
-    layers = int(backbone.get("num_layers") or base_layers)
+        raise ConfigError(f"{bplace}: model_type {qwen.get('model_type')!r}, expected 'qwen3'")
+    rope = section(qwen, "rope_parameters", bplace)
+    if qwen.get("rope_scaling") or rope.get("rope_type", "default") != "default":
+        raise ConfigError(f"{bplace}: only plain RoPE is supported (rope_scaling must be null)")
+    hidden = int_field(qwen, "hidden_size", bplace, minimum=1)
+    heads = int_field(qwen, "num_attention_heads", bplace, minimum=1)
+    base_layers = int_field(qwen, "num_hidden_layers", bplace, minimum=1)
+    layers = int_field(backbone, "num_layers", place, None) or base_layers
     if not 1 <= layers <= base_layers:
-        raise ConfigError(f"{where}: backbone_config.num_layers {layers} must be in "
+        raise ConfigError(f"{place}: backbone_config.num_layers {layers} must be in "
                           f"[1, {base_layers}] (the base model's layers)")
     if backbone.get("keep_top_layers"):
-        raise ConfigError(f"{where}: backbone_config.keep_top_layers is not supported")
-    tok = dict(cfg.get("tokenization_config") or {})
-    mask_id = cfg.get("mask_token_id", tok.get("mask_token_id"))
+        raise ConfigError(f"{place}: backbone_config.keep_top_layers is not supported")
+    tok = section(cfg, "tokenization_config", place)
+    in_cfg = "mask_token_id" in cfg
+    mask_id = int_field(cfg if in_cfg else tok, "mask_token_id", place, None, minimum=0)
     if mask_id is None:
-        raise ConfigError(f"{where} has no mask_token_id: the drafter needs a MASK token")
-    rope_theta = qwen.get("rope_theta", (qwen.get("rope_parameters") or {}).get("rope_theta"))
+        raise ConfigError(f"{place} has no mask_token_id: the drafter needs a MASK token")
+    rope_theta = float_field(qwen, "rope_theta", bplace, None, positive=True)
+    if rope_theta is None:
+        rope_theta = float_field(rope, "rope_theta", bplace, 1e6, positive=True)
+    noise = section(cfg, "noise_config", place)
     # The noise schedule's desired block size is the window the checkpoint was tuned for.
-    window = int((cfg.get("noise_config") or {}).get("desired_block_size") or 8)
+    window = int_field(noise, "desired_block_size", place, None, minimum=1) or 8
+
+    def token_id(key):
+        if key in cfg:
+            return _first_id(cfg, key, place)
+        return _first_id(tok, key, place)
+
     return ModelConfig(
         family="setdlm",
-        vocab_size=int(_require(qwen, "vocab_size", bwhere)),
+        vocab_size=int_field(qwen, "vocab_size", bplace, minimum=1),
         hidden_size=hidden,
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=int(qwen.get("num_key_value_heads") or heads),
-        head_dim=int(qwen.get("head_dim") or hidden // heads),
-        intermediate_size=int(_require(qwen, "intermediate_size", bwhere)),
-        rms_norm_eps=float(qwen.get("rms_norm_eps", 1e-6)),
-        mask_token_id=int(mask_id),
-        eos_token_id=_first_id(cfg.get("eos_token_id", tok.get("eos_token_id"))),
-        bos_token_id=_first_id(cfg.get("bos_token_id", tok.get("bos_token_id"))),
+        num_kv_heads=int_field(qwen, "num_key_value_heads", bplace, None) or heads,
+        head_dim=int_field(qwen, "head_dim", bplace, None) or hidden // heads,
+        intermediate_size=int_field(qwen, "intermediate_size", bplace, minimum=1),
+        rms_norm_eps=float_field(qwen, "rms_norm_eps", bplace, 1e-6, positive=True),
+        mask_token_id=mask_id,
+        eos_token_id=token_id("eos_token_id"),
+        bos_token_id=token_id("bos_token_id"),
         block_size=window,
-        max_position_embeddings=int(qwen.get("max_position_embeddings") or 4096),
-        rope_theta=float(rope_theta if rope_theta is not None else 1e6),
+        max_position_embeddings=int_field(qwen, "max_position_embeddings", bplace, None,
+                                          minimum=1) or 4096,
+        rope_theta=rope_theta,
         rope_type="default",
         qk_norm=True,
-        tie_embeddings=bool(qwen.get("tie_word_embeddings", True)),
+        tie_embeddings=bool_field(qwen, "tie_word_embeddings", bplace, True),
         dtype=dtype,
     )
 
@@ -256,6 +454,7 @@ def from_hf_config(cfg: Mapping[str, Any], dtype: str = "float32",
 
     `base_config` (SetDLM only) supplies the backbone dimensions, see `setdlm_from_hf`.
     """
+    _require_object(cfg, where(cfg, "config.json"))
     model_type = cfg.get("model_type")
     if model_type == NEMOTRON_MODEL_TYPE:
         if base_config is not None:
@@ -266,4 +465,3 @@ def from_hf_config(cfg: Mapping[str, Any], dtype: str = "float32",
     raise ConfigError(
         f"unsupported model_type {model_type!r}: expected {NEMOTRON_MODEL_TYPE!r} "
         f"(a Nemotron-Labs-Diffusion checkpoint) or {SETDLM_MODEL_TYPE!r} (SetDLM)")
-

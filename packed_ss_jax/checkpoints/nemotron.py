@@ -7,13 +7,12 @@ names under `encoder.` with an untied `diffusion_head`, and an optional PEFT ada
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from .. import model as model_lib
-from ..config import ModelConfig
+from ..config import ConfigError, ModelConfig, float_field, int_field, read_hf_config
 from .assemble import Entry, assemble, decoder_table
 from .errors import CheckpointError
 from .safetensors_io import SafetensorsDir
@@ -35,15 +34,20 @@ def lora_config(path: Path) -> tuple[int, float] | None:
     cfg_file = path / LORA_DIR / "adapter_config.json"
     if not cfg_file.exists():
         return None
-    cfg = json.loads(cfg_file.read_text())
+    try:
+        cfg = read_hf_config(cfg_file)
+    except ConfigError as e:
+        raise CheckpointError(f"adapter config: {e}") from None
     if cfg.get("peft_type", "LORA") != "LORA":
         raise CheckpointError(f"{cfg_file}: peft_type {cfg.get('peft_type')!r} is not LORA")
     targets = cfg.get("target_modules") or []
-    if list(targets) != ["o_proj"]:
+    if targets != ["o_proj"]:
         raise CheckpointError(f"{cfg_file}: target_modules {targets} unsupported; expected ['o_proj']")
     if cfg.get("use_dora") or cfg.get("use_rslora"):
         raise CheckpointError(f"{cfg_file}: DoRA / rsLoRA adapters are not supported")
-    return int(cfg["r"]), float(cfg["lora_alpha"])
+    rank = int_field(cfg, "r", str(cfg_file), minimum=1, error=CheckpointError)
+    alpha = float_field(cfg, "lora_alpha", str(cfg_file), error=CheckpointError)
+    return rank, alpha
 
 
 def _lora_table() -> list[Entry]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterable
 from typing import Sequence
 
 import jax
@@ -20,7 +21,9 @@ import numpy as np
 from .. import cache as cache_lib
 from .. import engine
 from .. import layouts as base_layouts
-from ..api import DecodeResult, _check_ids, _prompt_ids
+from .. import requests
+from ..api import DecodeResult
+from ..requests import InputError, InputTypeError
 from ..sampling import Sampler
 from .sampled import SAMPLED, empty_q
 from .schedules import SCHEDULES
@@ -99,28 +102,36 @@ def build(m, p: Program):
 
 
 def _stop_table(model, stop_sequences, eos_id):
+    if stop_sequences is None:
+        stop_sequences = ()
+    if isinstance(stop_sequences, (str, bytes)) or not isinstance(stop_sequences, Iterable):
+        # A bare string would become one marker per character.
+        raise InputTypeError(f"stop_sequences must be a list of markers (strings or token-id "
+                             f"lists), e.g. ['\\n\\n'] or [[13, 13]]; got {stop_sequences!r}")
     markers = []
-    for seq in stop_sequences or ():
+    for seq in stop_sequences:
         if isinstance(seq, str):
             if model.tokenizer is None:
-                raise ValueError(f"stop sequence {seq!r} is a string but this model has no "
+                raise InputError(f"stop sequence {seq!r} is a string but this model has no "
                                  "tokenizer; pass token ids")
             seq = model.tokenizer.encode(seq, add_special_tokens=False).ids
-        if isinstance(seq, (int, np.integer)) and not isinstance(seq, bool):
+        if requests.is_int(seq):
             seq = [seq]
-        seq = list(seq)
+        try:
+            seq = requests.token_list(seq, "stop sequence")
+        except InputTypeError:
+            raise InputTypeError(f"stop sequence {seq!r} must be integer token ids (or a "
+                                 "string)") from None
         if not seq:
-            raise ValueError("empty stop sequence: every stop marker needs at least one token")
-        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in seq):
-            raise TypeError(f"stop sequence {seq!r} must be integer token ids (or a string)")
+            raise InputError("empty stop sequence: every stop marker needs at least one token")
         if len(seq) > MAX_STOP_LEN:
-            raise ValueError(f"stop sequence of {len(seq)} tokens is longer than {MAX_STOP_LEN}")
-        _check_ids(np.asarray(seq, np.int64), model.vocab_size, "stop sequence")
+            raise InputError(f"stop sequence of {len(seq)} tokens is longer than {MAX_STOP_LEN}")
+        requests.check_ids(np.asarray(seq, np.int64), model.vocab_size, "stop sequence")
         markers.append(seq)
     if eos_id is not None:
         markers.append([eos_id])
     if len(markers) > MAX_STOPS:
-        raise ValueError(f"{len(markers)} stop markers (EOS included); at most {MAX_STOPS}")
+        raise InputError(f"{len(markers)} stop markers (EOS included); at most {MAX_STOPS}")
     tok = np.zeros((MAX_STOPS, MAX_STOP_LEN), np.int32)
     length = np.zeros(MAX_STOPS, np.int32)
     for i, seq in enumerate(markers):
@@ -129,57 +140,37 @@ def _stop_table(model, stop_sequences, eos_id):
     return jnp.asarray(tok), jnp.asarray(length)
 
 
-def _positive_int(value, what: str):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{what} must be an integer >= 1, got {value!r}")
-    return int(value)
-
-
-def _check_seed(seed):
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
-        raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
-    return int(seed)
-
-
 def _prepare(model, prompt, *, schedule, window, order, stop_sequences, max_new_tokens, eos_id,
              cache_size, temperature, top_k, top_p):
     """Validated arguments: the program, its traced arguments (seed excluded) and the prompt."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r} for SetDLM; expected one of "
+    requests.check_model(model)
+    if not isinstance(schedule, str) or schedule not in SCHEDULES:
+        raise InputError(f"unknown schedule {schedule!r} for SetDLM; expected one of "
                          f"{sorted(SCHEDULES)}")
-    if order not in ORDERS:
-        raise ValueError(f"unknown order {order!r}; expected one of {ORDERS}")
+    if not isinstance(order, str) or order not in ORDERS:
+        raise InputError(f"unknown order {order!r}; expected one of {ORDERS}")
     if order != "ltr" and schedule in ("native", "serial"):
-        raise ValueError(f"schedule {schedule!r} has no verification order; use order='ltr'")
-    sampler = Sampler(temperature, top_k, top_p)
-    if sampler.greedy:
-        sampler = Sampler()  # truncation does not change an argmax: one greedy program
-    else:
+        raise InputError(f"schedule {schedule!r} has no verification order; use order='ltr'")
+    sampler = requests.sampler(temperature, top_k, top_p)
+    if not sampler.greedy:
         if schedule not in SAMPLED:
-            raise ValueError(f"schedule {schedule!r} is greedy only: temperature must be 0; "
+            raise InputError(f"schedule {schedule!r} is greedy only: temperature must be 0; "
                              f"sampling is supported by {sorted(SAMPLED)}")
         if order != "ltr":
-            raise ValueError("any-order sampling is not supported: temperature > 0 needs "
+            raise InputError("any-order sampling is not supported: temperature > 0 needs "
                              "order='ltr'")
     config = model.config
-    W = _positive_int(config.block_size if window is None else window, "window")
+    W = requests.integer(config.block_size if window is None else window, "window", 1)
     if schedule == "serial":
         W = 1
-    max_new = _positive_int(max_new_tokens, "max_new_tokens")
-    if eos_id == -1:
-        eos_id = config.eos_token_id
-    if eos_id is not None and not 0 <= eos_id < model.vocab_size:
-        raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, {model.vocab_size})")
+    max_new = requests.integer(max_new_tokens, "max_new_tokens", 1)
+    eos_id = requests.eos_id(eos_id, config, model.vocab_size)
     stop_tok, stop_len = _stop_table(model, stop_sequences, eos_id)
-    if cache_size is None:
-        cache_size = min(4096, config.max_position_embeddings)
-    ids = _prompt_ids(model, prompt)
-    if len(ids) + max_new > cache_size:
-        raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) = "
-                         f"{len(ids) + max_new} exceeds the cache ({cache_size} slots); "
-                         "shorten the request or pass a larger cache_size")
-    p = Program(schedule, W, order, engine.bucket_for(len(ids), cache_size), int(cache_size),
-                sampler)
+    cache_size = requests.cache_size(cache_size, config, block=W, block_name="window",
+                                     default=4096)
+    ids = requests.prompt_ids(model, prompt)
+    requests.fits(len(ids), max_new, cache_size)
+    p = Program(schedule, W, order, engine.bucket_for(len(ids), cache_size), cache_size, sampler)
     padded = np.zeros(p.bucket, np.int32)
     padded[: len(ids)] = ids
     args = (jnp.asarray(padded), jnp.int32(len(ids)), jnp.int32(max_new), stop_tok, stop_len)
@@ -210,7 +201,7 @@ def decode(model, prompt: str | Sequence[int], *, schedule: str = "packed",
                             stop_sequences=stop_sequences, max_new_tokens=max_new_tokens,
                             eos_id=eos_id, cache_size=cache_size, temperature=temperature,
                             top_k=top_k, top_p=top_p)
-    args = args + (jnp.asarray(_check_seed(seed), jnp.uint32),)
+    args = args + (jnp.asarray(requests.seed(seed), jnp.uint32),)
     W = p.window
     exe, compile_s = engine.aot(("setdlm", model.key, p), build(model, p), model.params, *args)
     t0 = time.perf_counter()
@@ -239,7 +230,7 @@ def run_many(model, prompt: Sequence[int], seeds, **kwargs):
         "schedule": "packed", "window": None, "order": "ltr", "stop_sequences": (),
         "max_new_tokens": 128, "eos_id": -1, "cache_size": None, "temperature": 0.0,
         "top_k": None, "top_p": None, **kwargs})
-    seeds = np.asarray(seeds)
+    seeds = requests.seeds(seeds)
     many = jax.vmap(build(model, p), in_axes=(None,) * 6 + (0,))
     args = args + (jnp.asarray(seeds, jnp.uint32),)
     exe, _ = engine.aot(("setdlm", model.key, p, "many", len(seeds)), many, model.params, *args)
