@@ -8,8 +8,9 @@ from .api import DecodeResult, decode, logits
 from .config import ConfigError, ModelConfig
 from .checkpoints.errors import CheckpointError
 from .conversion import convert
+from .engine import NonFiniteError
 from .loading import Model, load
 
-__all__ = ["CheckpointError", "ConfigError", "DecodeResult", "Model", "ModelConfig", "convert",
-           "decode", "load", "logits"]
+__all__ = ["CheckpointError", "ConfigError", "DecodeResult", "Model", "ModelConfig",
+           "NonFiniteError", "convert", "decode", "load", "logits"]
 __version__ = "0.1.0"

@@ -8,9 +8,20 @@ normalised [p - Q]_+; after full acceptance a bonus is drawn from p. With this r
 the output follows the AR distribution exactly, whatever `Q` is, so `Q` may be
 truncated further for storage without any effect on the output law.
 
-Storage of Q: without truncation, full rows [W, V]; with top-k, the k nonzero entries
-([W, k] ids and probabilities); with top-p alone, at most `TOP_P_STORE` entries (the
-drafter's nucleus, capped; the cap only changes which drafts are proposed).
+Everything is computed on log-probabilities. A small temperature turns logits into
+numbers of order |logit| / T: once those pass ~1e9, a float32 softmax is one
+rounding away from exp(+large) = inf and inf / inf = NaN (XLA multiplies by 1 / T and
+fuses the product into an FMA, so the largest shifted logit is not 0 but the
+product's rounding error). Here the largest logit is set to exactly 0 before the
+scaling, tokens are drawn with the Gumbel-max trick on log-probabilities, the
+acceptance is exp(min(0, log p - log Q)) and the residual is formed in log space, so
+any T > 0 gives a valid law and T -> 0 gives the argmax. NaN logits count as -inf
+here (the decode loop reports them, see schedules/state.py); a drawn id is always in
+[0, V).
+
+Storage of Q: without truncation, full rows [W, V]; with top-k, the k largest entries
+([W, k] ids and log-probabilities); with top-p alone, at most `TOP_P_STORE` entries
+(the drafter's nucleus, capped; the cap only changes which drafts are proposed).
 """
 
 from __future__ import annotations
@@ -62,26 +73,40 @@ class Sampler:
 
 @flax.struct.dataclass
 class StoredQ:
-    """Proposal distributions of the draft positions: dense [W, V], or sparse ids/probs [W, K]."""
+    """Proposal distributions of the draft positions as log-probabilities: dense [W, V],
+    or sparse ids/log-probabilities [W, K] (-inf: no mass)."""
 
-    probs: jax.Array
+    logp: jax.Array
     ids: jax.Array | None = None
 
+    @staticmethod
+    def empty(sampler: Sampler, width: int, vocab: int) -> StoredQ:
+        """Storage for `width` draft positions, holding no proposal yet."""
+        k = sampler.store_size(vocab)
+        if k is None:
+            return StoredQ(jnp.full((width, vocab), -jnp.inf, jnp.float32))
+        return StoredQ(jnp.full((width, k), -jnp.inf, jnp.float32),
+                       jnp.zeros((width, k), jnp.int32))
+
+    @property
+    def probs(self):
+        return jnp.exp(self.logp)
+
     def of(self, tokens):
-        """Q(tokens[i]) at each position i."""
+        """log Q(tokens[i]) at each position i."""
         if self.ids is None:
-            return jnp.take_along_axis(self.probs, tokens[:, None], axis=1)[:, 0]
+            return jnp.take_along_axis(self.logp, tokens[:, None], axis=1)[:, 0]
         hit = self.ids == tokens[:, None]
-        return jnp.sum(jnp.where(hit, self.probs, 0.0), axis=1)
+        return jnp.max(jnp.where(hit, self.logp, -jnp.inf), axis=1)
 
     def dense_row(self, i, vocab: int):
         if self.ids is None:
-            return self.probs[i]
-        return jnp.zeros(vocab, jnp.float32).at[self.ids[i]].add(self.probs[i])
+            return self.logp[i]
+        return jnp.full(vocab, -jnp.inf, jnp.float32).at[self.ids[i]].set(self.logp[i])
 
     def sample(self, key):
         """One token per position."""
-        choice = jax.random.categorical(key, jnp.log(self.probs), axis=-1)
+        choice = jax.random.categorical(key, self.logp, axis=-1)
         if self.ids is None:
             return choice.astype(jnp.int32)
         return jnp.take_along_axis(self.ids, choice[:, None], axis=1)[:, 0].astype(jnp.int32)
@@ -91,7 +116,7 @@ class StoredQ:
         def take(x):
             padded = jnp.concatenate([x, jnp.repeat(x[-1:], width, axis=0)])
             return jax.lax.dynamic_slice_in_dim(padded, a, width, axis=0)
-        return StoredQ(take(self.probs), None if self.ids is None else take(self.ids))
+        return StoredQ(take(self.logp), None if self.ids is None else take(self.ids))
 
 
 def _keep_top_k(x, k: int):
@@ -100,69 +125,93 @@ def _keep_top_k(x, k: int):
     return jnp.put_along_axis(keep, idx, True, axis=-1, inplace=False)
 
 
-def _keep_top_p(probs, p: float):
+def _keep_top_p(logp, p: float):
     """Smallest prefix of the descending order whose mass reaches p (ties: lower id first)."""
-    order = jnp.argsort(-probs, axis=-1, stable=True)
-    sorted_p = jnp.take_along_axis(probs, order, axis=-1)
+    order = jnp.argsort(-logp, axis=-1, stable=True)
+    sorted_p = jnp.exp(jnp.take_along_axis(logp, order, axis=-1))
     keep_sorted = (jnp.cumsum(sorted_p, axis=-1) - sorted_p) < p
-    keep = jnp.zeros(probs.shape, bool)
+    keep = jnp.zeros(logp.shape, bool)
     return jnp.put_along_axis(keep, order, keep_sorted, axis=-1, inplace=False)
 
 
+def _normalise(z):
+    """z - log(sum(exp(z))) over the last axis, for rows whose largest entry is about 0
+    (between -log V and 0): the sum lies in [1 / V, V], so it needs no shift."""
+    return z - jnp.log(jnp.sum(jnp.exp(z), axis=-1, keepdims=True))
+
+
 def target(logits, s: Sampler):
-    """The tempered, truncated distribution [..., V]: temperature, then top-k, then top-p."""
-    x = logits.astype(jnp.float32) / s.temperature
+    """Log-probabilities [..., V] of the tempered, truncated distribution: temperature,
+    then top-k, then top-p; -inf outside the support."""
+    x = logits.astype(jnp.float32)
+    x = jnp.where(jnp.isnan(x), -jnp.inf, x)
+    top = jnp.max(x, axis=-1, keepdims=True)
+    d = x - top
+    # The largest logit is exactly 0 whatever T; an infinite gap stays -inf even where
+    # 1 / T is flushed to 0 (huge T) or overflows (subnormal T), where d / T alone
+    # would give 0 * inf or inf - inf.
+    z = jnp.where(x == top, 0.0, jnp.where(d == -jnp.inf, -jnp.inf, d / s.temperature))
     if s.top_k is not None and s.top_k < x.shape[-1]:
-        x = jnp.where(_keep_top_k(x, s.top_k), x, -jnp.inf)
-    probs = jax.nn.softmax(x, axis=-1)
+        z = jnp.where(_keep_top_k(x, s.top_k), z, -jnp.inf)
+    logp = _normalise(z)
     if s.top_p is not None and s.top_p < 1.0:
-        probs = jnp.where(_keep_top_p(probs, s.top_p), probs, 0.0)
-        probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
-    return probs
+        logp = _normalise(jnp.where(_keep_top_p(logp, s.top_p), logp, -jnp.inf))
+    return logp
 
 
 def proposal(logits, s: Sampler, mask_id: int) -> StoredQ:
     """The drafter's Q for each row (MASK excluded), in its storage form."""
-    probs = target(logits.at[..., mask_id].set(-jnp.inf), s)
+    logp = target(logits.at[..., mask_id].set(-jnp.inf), s)
     k = s.store_size(logits.shape[-1])
     if k is None:
-        return StoredQ(probs)
-    top, ids = jax.lax.top_k(probs, k)
-    return StoredQ(top / jnp.sum(top, axis=-1, keepdims=True), ids.astype(jnp.int32))
+        return StoredQ(logp)
+    top, ids = jax.lax.top_k(logp, k)
+    return StoredQ(_normalise(top), ids.astype(jnp.int32))
 
 
-def accept_ratio(p_d, q_d):
-    """Acceptance probability of a draft token: min(1, p(d) / Q(d))."""
-    return jnp.minimum(1.0, p_d / jnp.maximum(q_d, 1e-30))
+def accept_ratio(logp_d, logq_d):
+    """Acceptance probability of a draft token, min(1, p(d) / Q(d)), from log p(d) and
+    log Q(d): exp(min(0, log p - log Q)); 0 where p(d) = 0."""
+    ratio = jnp.exp(jnp.minimum(0.0, logp_d - logq_d))
+    return jnp.where(logp_d == -jnp.inf, 0.0, ratio)
 
 
-def residual(p_row, q_row):
-    """Correction distribution at the first rejection: normalised [p - Q]_+."""
-    r = jnp.maximum(p_row - q_row, 0.0)
-    total = jnp.sum(r)
+def _log1mexp(a):
+    """log(1 - exp(a)) for a <= 0, accurate at both ends (Maechler, 2012)."""
+    return jnp.where(a > -math.log(2.0), jnp.log(-jnp.expm1(a)), jnp.log1p(-jnp.exp(a)))
+
+
+def residual(logp_row, logq_row):
+    """Correction distribution at the first rejection, [p - Q]_+, as unnormalised
+    log-weights: log p + log(1 - Q / p) where p > Q, -inf elsewhere."""
+    above = logp_row > logq_row
+    gap = jnp.where(above, logq_row - logp_row, -1.0)
+    log_r = jnp.where(above, logp_row + _log1mexp(gap), -jnp.inf)
     # A rejection is impossible where p <= Q everywhere; rounding aside, fall back to p.
-    return jnp.where(total > 1e-12, r / jnp.maximum(total, 1e-30), p_row)
+    return jnp.where(jnp.any(above), log_r, logp_row)
 
 
-def sample_from(key, probs):
-    return jax.random.categorical(key, jnp.log(probs)).astype(jnp.int32)
+def sample_from(key, logp):
+    """One draw from (unnormalised) log-weights; an id in [0, V) whatever they hold."""
+    return jax.random.categorical(key, logp).astype(jnp.int32)
 
 
-def verify(key, p_rows, draft, draft_len, q: StoredQ):
-    """Algorithm 2's acceptance: returns h and the accepted tokens C (padded to len(p_rows)).
+def verify(key, logp_rows, draft, draft_len, q: StoredQ):
+    """Algorithm 2's acceptance: returns h and the accepted tokens C (padded to len(logp_rows)).
 
-    p_rows[i] is the target at the position of draft[i] (its last row has no draft:
-    the bonus position). C = draft[:h] + [correction or bonus].
+    logp_rows[i] is the target (log-probabilities) at the position of draft[i] (its last
+    row has no draft: the bonus position). C = draft[:h] + [correction or bonus].
     """
     W = draft.shape[0]
     k_accept, k_next = jax.random.split(key)
     u = jax.random.uniform(k_accept, (W,))
-    p_d = jnp.take_along_axis(p_rows[:W], draft[:, None], axis=1)[:, 0]
-    ok = (u < accept_ratio(p_d, q.of(draft))) & (jnp.arange(W) < draft_len)
+    logp_d = jnp.take_along_axis(logp_rows[:W], draft[:, None], axis=1)[:, 0]
+    ok = (u < accept_ratio(logp_d, q.of(draft))) & (jnp.arange(W) < draft_len)
     h = leading_true(ok)
-    V = p_rows.shape[-1]
+    V = logp_rows.shape[-1]
     rejected = h < draft_len
-    dist = jnp.where(rejected, residual(p_rows[h], q.dense_row(jnp.minimum(h, W - 1), V)), p_rows[h])
+    dist = jnp.where(rejected, residual(logp_rows[h], q.dense_row(jnp.minimum(h, W - 1), V)),
+                     logp_rows[h])
     nxt = sample_from(k_next, dist)
     k = jnp.arange(W + 1)
     padded = jnp.concatenate([draft, jnp.zeros(1, jnp.int32)])

@@ -30,4 +30,4 @@ def step(m, params, s: State, *, B: int, sampler: Sampler) -> State:
     kept = jax.lax.dynamic_slice(jnp.concatenate([z, jnp.full(W, m.mask_id, jnp.int32)]), (A,), (W,))
     kept_q = None if qz is None else qz.shift(A, W)
     return advance(s, kv, jnp.arange(B), accepted, A, accepted[h], kept, jnp.maximum(W - A, 0),
-                   calls=1, draft_q=kept_q)
+                   calls=1, draft_q=kept_q, verifier=logits[:B], drafter=logits[B:])

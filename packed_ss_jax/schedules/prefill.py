@@ -16,9 +16,10 @@ import jax.numpy as jnp
 
 from .. import cache as cache_lib
 from .. import layouts
+from ..reductions import nonfinite_rows
 from ..sampling import Sampler
 from .state import (ForwardModel, State, choose_first, drafter_tokens, empty_q, no_draft, propose,
-                    run_call, split, start, verifier_tokens)
+                    run_call, split, start, stop_nonfinite, verifier_tokens)
 
 
 def _cache_prompt(m: ForwardModel, kv_rows, P: int, capacity: int, B: int):
@@ -37,7 +38,7 @@ def prefill(m: ForwardModel, params, prompt, n, *, B: int, capacity: int, max_ne
     cache = _cache_prompt(m, kv, prompt.shape[0], capacity, B)
     draft, draft_len = no_draft(B, m.mask_id)
     return start(m, cache, n, first, draft, draft_len, B=B, capacity=capacity, max_new=max_new,
-                 eos_id=eos_id, key=None if sampler.greedy else key,
+                 eos_id=eos_id, verifier=logits, key=None if sampler.greedy else key,
                  draft_q=empty_q(sampler, B - 1, m.vocab_size))
 
 
@@ -55,7 +56,7 @@ def first_call(m: ForwardModel, params, prompt, n, *, B: int, capacity: int, max
     draft = drafter_tokens(logits[1:], m.mask_id)
     cache = _cache_prompt(m, kv, P, capacity, B)
     return start(m, cache, n, first, draft, B - 1, B=B, capacity=capacity, max_new=max_new,
-                 eos_id=eos_id)
+                 eos_id=eos_id, verifier=logits[:1], drafter=logits[1:])
 
 
 def _draft_after_first(m, params, s: State, B: int, sampler: Sampler) -> State:
@@ -63,4 +64,5 @@ def _draft_after_first(m, params, s: State, B: int, sampler: Sampler) -> State:
     call = layouts.draft_block(s.x, s.cache_len, B, m.mask_id)
     logits, _ = run_call(m, params, call, s.cache, s.cache_len, out_rows=jnp.arange(1, B))
     draft, q = propose(logits, sampler, m.mask_id, k)
+    s = stop_nonfinite(s, jnp.any(nonfinite_rows(logits)))
     return s.replace(draft=draft, draft_len=jnp.int32(B - 1), draft_q=q, nfe=s.nfe + 1)

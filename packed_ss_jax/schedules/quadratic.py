@@ -22,6 +22,7 @@ def step(m, params, s: State, *, B: int, sampler: Sampler) -> State:
     logits, kv = run_call(m, params, call, s.cache, s.cache_len)
     logits = logits.reshape(B, G, -1)
     h, accepted = verify_draft(logits[:, 0], s.draft, s.draft_len, s.draft_q, sampler, k_verify)
-    branch, q = propose(logits[h, 2:], sampler, m.mask_id, k_draft)
+    d_logits = logits[h, 2:]
+    branch, q = propose(d_logits, sampler, m.mask_id, k_draft)
     return advance(s, kv, jnp.arange(B) * G, accepted, h + 1, accepted[h], branch,
-                   jnp.int32(B - 1), calls=1, draft_q=q)
+                   jnp.int32(B - 1), calls=1, draft_q=q, verifier=logits[:, 0], drafter=d_logits)

@@ -3,6 +3,14 @@
 The state is one pytree carried through `lax.while_loop`. Stopping (EOS, length
 limit) is decided here, inside the loop (Algorithm 1, lines 7-8); counts are
 traced scalars, so a new `max_new_tokens` or EOS id never recompiles.
+
+Non-finite logits stop the loop too: a token is appended only if the logits row it
+was chosen from is finite, and the loop goes on only if the drafter rows are finite
+too. Otherwise `nonfinite_at` records the generated position where it stopped and
+the driver raises on the host (engine.check_finite). Verifier rows past the appended
+tokens are not looked at: they condition on rejected drafts, so a token whose
+embedding is NaN can poison them without ever being output, and AR decoding would
+not stop there either.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ import jax.numpy as jnp
 
 from .. import cache as cache_lib
 from .. import sampling
-from ..reductions import first_argmax, leading_true
+from ..reductions import first_argmax, leading_true, nonfinite_rows
 from ..sampling import Sampler, StoredQ
 
 
@@ -46,6 +54,7 @@ class State:
     hist: jax.Array        # [B+1]: hist[k] = iterations that emitted k tokens
     max_new: jax.Array
     eos_id: jax.Array      # -1: no EOS stopping
+    nonfinite_at: jax.Array  # generated position where NaN/Inf logits stopped the loop; -1: none
     key: Any = None        # PRNG key (sampling only), threaded through the loop
     draft_q: Any = None    # StoredQ of the draft (sampling only): what each d was drawn from
 
@@ -74,6 +83,13 @@ def matched_prefix(draft, draft_len, verified):
     """
     ok = (draft == verified[: draft.shape[0]]) & (jnp.arange(draft.shape[0]) < draft_len)
     return leading_true(ok)
+
+
+def stop_nonfinite(s: State, bad, position=None) -> State:
+    """Stops the loop when `bad` (scalar bool): non-finite logits were read for the
+    generated position `position` (default: the next one)."""
+    at = s.n_out if position is None else position
+    return s.replace(nonfinite_at=jnp.where(bad, at, s.nonfinite_at), done=s.done | bad)
 
 
 def choose_first(logits, sampler: Sampler, key):
@@ -112,21 +128,27 @@ def split(s: State, n: int, sampler: Sampler):
 
 
 def empty_q(sampler: Sampler, width: int, vocab: int):
-    if sampler.greedy:
-        return None
-    k = sampler.store_size(vocab)
-    if k is None:
-        return StoredQ(jnp.zeros((width, vocab), jnp.float32))
-    return StoredQ(jnp.zeros((width, k), jnp.float32), jnp.zeros((width, k), jnp.int32))
+    return None if sampler.greedy else StoredQ.empty(sampler, width, vocab)
 
 
-def emit(s: State, accepted, count) -> State:
-    """Appends accepted[:a], a = min(count, tokens left, first EOS + 1) (Alg. 1, l. 7-8)."""
+def emit(s: State, accepted, count, verifier, drafter=None) -> State:
+    """Appends accepted[:a], a = min(count, tokens left, first EOS + 1) (Alg. 1, l. 7-8).
+
+    verifier[k] is the logits row accepted[k] was chosen by; drafter, the rows the next
+    draft came from. If verifier[r] holds NaN/Inf for some r < a, only accepted[:r] is
+    appended; then, or if drafter does, decoding stops after what was appended (see the
+    module docstring)."""
     k = jnp.arange(accepted.shape[0])
     live = k < count
     is_eos = live & (accepted == s.eos_id)
     eos_at = jnp.where(jnp.any(is_eos), jnp.argmax(is_eos) + 1, count)
     a = jnp.minimum(jnp.minimum(count, s.max_new - s.n_out), eos_at).astype(jnp.int32)
+    row_bad = nonfinite_rows(verifier) & (k < a)
+    a = jnp.min(jnp.where(row_bad, k, a)).astype(jnp.int32)  # tokens before the first bad row
+    bad = jnp.any(row_bad)
+    if drafter is not None:
+        bad = bad | jnp.any(nonfinite_rows(drafter))
+    s = stop_nonfinite(s, bad, s.n_out + a)
     capacity = s.out.shape[0]
     index = jnp.where(k < a, s.n_out + k, capacity)  # out-of-range rows are dropped
     out = s.out.at[index].set(accepted, mode="drop")
@@ -137,26 +159,28 @@ def emit(s: State, accepted, count) -> State:
 
 
 def advance(s: State, kv_rows, rows, accepted, count, next_x, draft, draft_len, calls: int,
-            draft_q=None) -> State:
+            draft_q=None, *, verifier, drafter=None) -> State:
     """Commits the first `count` candidate rows (x and the accepted drafts), makes the
-    correction/bonus token the next x, stores the next draft (and its Q), and emits."""
+    correction/bonus token the next x, stores the next draft (and its Q), and emits
+    (`verifier`, `drafter`: the logits behind `accepted` and `draft`, see `emit`)."""
     cache = cache_lib.commit(s.cache, kv_rows, rows, s.cache_len, after=accepted)
     s = s.replace(cache=cache, cache_len=s.cache_len + count, x=next_x, draft=draft,
                   draft_len=draft_len, nfe=s.nfe + calls,
                   draft_q=s.draft_q if draft_q is None else draft_q)
-    return emit(s, accepted, count)
+    return emit(s, accepted, count, verifier, drafter)
 
 
 def start(m: ForwardModel, cache, n, first, draft, draft_len, *, B: int, capacity: int,
-          max_new, eos_id, key=None, draft_q=None) -> State:
-    """State after the first call: the prompt is cached, `first` is the first token."""
+          max_new, eos_id, verifier, drafter=None, key=None, draft_q=None) -> State:
+    """State after the first call: the prompt is cached, `first` is the first token
+    (chosen by the logits row `verifier` [1, V]; `drafter`: the rows of `draft`)."""
     s = State(cache=cache, cache_len=jnp.asarray(n, jnp.int32), x=first, draft=draft,
               draft_len=jnp.asarray(draft_len, jnp.int32),
               out=jnp.zeros(capacity, jnp.int32), n_out=jnp.int32(0), done=jnp.bool_(False),
               nfe=jnp.int32(1), iterations=jnp.int32(0), hist=jnp.zeros(B + 1, jnp.int32),
               max_new=jnp.asarray(max_new, jnp.int32), eos_id=jnp.asarray(eos_id, jnp.int32),
-              key=key, draft_q=draft_q)
-    return emit(s, first[None], jnp.int32(1))
+              nonfinite_at=jnp.int32(-1), key=key, draft_q=draft_q)
+    return emit(s, first[None], jnp.int32(1), verifier, drafter)
 
 
 def no_draft(B: int, mask_id: int):

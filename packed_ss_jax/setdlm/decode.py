@@ -96,7 +96,7 @@ def build(m, p: Program):
             step = lambda s: SAMPLED[p.schedule](m, params, s, W=W, sampler=sampler)  # noqa: E731
         s = jax.lax.while_loop(lambda s: ~s.done, step, s)
         return (s.tok, s.E, s.nfe, s.iterations, s.rows, s.max_rows, s.hist, s.trace_out,
-                s.trace_A, s.trace_fed)
+                s.trace_A, s.trace_fed, s.nonfinite_at)
 
     return run
 
@@ -207,7 +207,9 @@ def decode(model, prompt: str | Sequence[int], *, schedule: str = "packed",
     t0 = time.perf_counter()
     out = jax.block_until_ready(exe(model.params, *args))
     wall = time.perf_counter() - t0
-    tok, E, nfe, iters, rows, max_rows, hist, trace_out, trace_A, trace_fed = jax.device_get(out)
+    tok, E, nfe, iters, rows, max_rows, hist, trace_out, trace_A, trace_fed, bad_at = \
+        jax.device_get(out)
+    engine.check_finite(bad_at, iters, tok)
     E, iters = int(E), int(iters)
     tokens = tok[:E].tolist()
     text = model.tokenizer.decode(tokens) if getattr(model, "tokenizer", None) is not None else None
@@ -234,5 +236,7 @@ def run_many(model, prompt: Sequence[int], seeds, **kwargs):
     many = jax.vmap(build(model, p), in_axes=(None,) * 6 + (0,))
     args = args + (jnp.asarray(seeds, jnp.uint32),)
     exe, _ = engine.aot(("setdlm", model.key, p, "many", len(seeds)), many, model.params, *args)
-    tok, E = jax.device_get(exe(model.params, *args))[:2]
+    out = jax.device_get(exe(model.params, *args))
+    tok, E, iters, bad_at = out[0], out[1], out[3], out[-1]
+    engine.check_finite(bad_at, iters, tok)
     return np.asarray(tok), np.asarray(E)

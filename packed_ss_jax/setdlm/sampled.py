@@ -39,10 +39,7 @@ def target(logits, sampler: Sampler, mask_id: int):
 
 
 def empty_q(sampler: Sampler, W: int, vocab: int) -> StoredQ:
-    k = sampler.store_size(vocab)
-    if k is None:
-        return StoredQ(jnp.zeros((W, vocab), jnp.float32))
-    return StoredQ(jnp.zeros((W, k), jnp.float32), jnp.zeros((W, k), jnp.int32))
+    return StoredQ.empty(sampler, W, vocab)
 
 
 def _split(s: State, n: int):
@@ -57,12 +54,12 @@ def _n(s: State):
 def _stored_q(s: State, w) -> StoredQ:
     """The stored Q of each rank of window `w`, looked up by output index."""
     row = jnp.argmax(s.q_out[None, :] == w.out[:, None], axis=1)
-    return StoredQ(s.q.probs[row], None if s.q.ids is None else s.q.ids[row])
+    return StoredQ(s.q.logp[row], None if s.q.ids is None else s.q.ids[row])
 
 
-def _verify(key, p_rows, drafts, draft_len, q: StoredQ):
+def _verify(key, logp_rows, drafts, draft_len, q: StoredQ):
     """Algorithm 2 over the window's ranks: h and C (C[:h] drafts, C[h] correction)."""
-    padded = jnp.concatenate([p_rows, p_rows[-1:]])  # rank W has no query: never used
+    padded = jnp.concatenate([logp_rows, logp_rows[-1:]])  # rank W has no query: never used
     h, C = sampling.verify(key, padded, drafts, draft_len, q)
     return h, C[: drafts.shape[0]]
 
@@ -81,15 +78,15 @@ def _verified(s: State, w, v, h, kv, p, A):
 
 
 def _store(s: State, w, z, q: StoredQ, A) -> State:
-    s = store_drafts(s, w, z, q.of(z), from_rank=A)
+    s = store_drafts(s, w, z, jnp.exp(q.of(z)), from_rank=A)
     return s.replace(q=q, q_out=jnp.where(w.active, w.out, -1))
 
 
 def _call_and_verify(m, params, s: State, W: int, sampler: Sampler, layout, proposal_rows: int):
     """The start of a one-call step (Packed, Quadratic): one call over the window's M rows
     (which verify the stored drafts against their stored Q) and `proposal_rows` drafting
-    rows. Returns the state, window, p, the drafting rows' logits, kv, h, v and the key
-    left for drawing the next drafts."""
+    rows. Returns the state, window, p, the call's logits (M rows, then the drafting
+    rows), kv, h, v and the key left for drawing the next drafts."""
     s, (k_verify, k_draft) = _split(s, 2)
     w = window(s, W, "ltr", use_drafts=True)
     n_tok, n_out, p = _n(s)
@@ -98,42 +95,43 @@ def _call_and_verify(m, params, s: State, W: int, sampler: Sampler, layout, prop
     logits, kv = run_call(m, params, call, s, 1 + W + jnp.arange(W + proposal_rows))
     h, v = _verify(k_verify, target(logits[:W], sampler, m.mask_id), drafts, w.kappa,
                    _stored_q(s, w))
-    return s, w, p, logits[W:], kv, h, v, k_draft
+    return s, w, p, logits, kv, h, v, k_draft
 
 
 def packed(m, params, s: State, *, W: int, sampler: Sampler) -> State:
-    s, w, p, r_logits, kv, h, v, k_draft = _call_and_verify(m, params, s, W, sampler,
-                                                            layouts.packed, W)  # M then R
-    q = sampling.proposal(r_logits, sampler, m.mask_id)  # from P_{t-1}
+    s, w, p, logits, kv, h, v, k_draft = _call_and_verify(m, params, s, W, sampler,
+                                                          layouts.packed, W)  # M then R
+    q = sampling.proposal(logits[W:], sampler, m.mask_id)  # from P_{t-1}
     z = q.sample(k_draft)
     A = jnp.minimum(h + 1, w.u)
     s = _verified(s, w, v, h, kv, p, A)
     s = _store(s, w, z, q, A)
     rows = p + 3 * w.u
-    return finish(s, w, first_ranks(w, A), A, 1, rows, rows)
+    return finish(s, w, first_ranks(w, A), A, 1, rows, rows, verifier=logits[:W],
+                  drafter=logits[W:])
 
 
 def quadratic(m, params, s: State, *, W: int, sampler: Sampler) -> State:
-    s, w, p, b_logits, kv, h, v, k_draft = _call_and_verify(m, params, s, W, sampler,
-                                                            layouts.quadratic, W * W)  # M, branches
+    s, w, p, logits, kv, h, v, k_draft = _call_and_verify(m, params, s, W, sampler,
+                                                          layouts.quadratic, W * W)  # M, branches
     A = jnp.minimum(h + 1, w.u)
     # The next drafts come from the branch of the accepted prefix only (h drafts).
-    branch = b_logits.reshape(W, W, -1)[jnp.minimum(h, W - 1)]
+    branch = logits[W:].reshape(W, W, -1)[jnp.minimum(h, W - 1)]
     q = sampling.proposal(branch, sampler, m.mask_id)
     z = q.sample(k_draft)
     s = _verified(s, w, v, h, kv, p, A)
     s = _store(s, w, z, q, A)
     rows = p + 2 * w.u + w.u * w.u
-    return finish(s, w, first_ranks(w, A), A, 1, rows, rows)
+    return finish(s, w, first_ranks(w, A), A, 1, rows, rows, verifier=logits[:W], drafter=branch)
 
 
 def linear(m, params, s: State, *, W: int, sampler: Sampler) -> State:
     s, (k_verify, k_draft) = _split(s, 2)
     w = window(s, W, "ltr", use_drafts=False)
     n_tok, n_out, p = _n(s)
-    logits, kv = run_call(m, params, layouts.draft(s.n, n_tok, n_out, p, w, m.mask_id), s,
-                          1 + jnp.arange(W))
-    q = sampling.proposal(logits, sampler, m.mask_id)  # from the newest prefix
+    d_logits, kv = run_call(m, params, layouts.draft(s.n, n_tok, n_out, p, w, m.mask_id), s,
+                            1 + jnp.arange(W))
+    q = sampling.proposal(d_logits, sampler, m.mask_id)  # from the newest prefix
     z = q.sample(k_draft)
     s = commit(s, kv, jnp.zeros(1, jnp.int32), s.pend_out[:1], p, after=z)  # N, cached now
     logits, kv = run_call(m, params, layouts.verify(s.n, w, z, m.mask_id), s, W + jnp.arange(W))
@@ -143,7 +141,8 @@ def linear(m, params, s: State, *, W: int, sampler: Sampler) -> State:
     s = commit(s, kv, jnp.arange(W), w.out, h)
     s = set_pending(s, v[jnp.minimum(h, W - 1)][None], w.out[jnp.minimum(h, W - 1)][None],
                     (h < w.u).astype(jnp.int32))
-    return finish(s, w, first_ranks(w, A), A, 2, p + 3 * w.u, jnp.maximum(p + w.u, 2 * w.u))
+    return finish(s, w, first_ranks(w, A), A, 2, p + 3 * w.u, jnp.maximum(p + w.u, 2 * w.u),
+                  verifier=logits, drafter=d_logits)
 
 
 def serial(m, params, s: State, *, W: int, sampler: Sampler) -> State:
@@ -158,7 +157,7 @@ def serial(m, params, s: State, *, W: int, sampler: Sampler) -> State:
     take = first_ranks(w, 1)
     s = accept(s, w, v, take)
     s = set_pending(s, v, w.out, jnp.int32(1))
-    return finish(s, w, take, jnp.int32(1), 1, p + 1, p + 1)
+    return finish(s, w, take, jnp.int32(1), 1, p + 1, p + 1, verifier=logits)
 
 
 SAMPLED = {"serial": serial, "linear": linear, "quadratic": quadratic, "packed": packed}

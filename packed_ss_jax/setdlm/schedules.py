@@ -54,7 +54,8 @@ def packed(m, params, s: State, *, W: int, order: str) -> State:
     s = _verified(s, w, v, h, kv, p, A)
     s = store_drafts(s, w, z, z_prob, from_rank=A)
     rows = p + 3 * w.u
-    return finish(s, w, first_ranks(w, A), A, 1, rows, rows)
+    return finish(s, w, first_ranks(w, A), A, 1, rows, rows, verifier=logits[:W],
+                  drafter=logits[W:])
 
 
 def quadratic(m, params, s: State, *, W: int, order: str) -> State:
@@ -72,16 +73,16 @@ def quadratic(m, params, s: State, *, W: int, order: str) -> State:
     s = _verified(s, w, v, h, kv, p, A)
     s = store_drafts(s, w, z, z_prob, from_rank=A)
     rows = p + 2 * w.u + w.u * w.u
-    return finish(s, w, first_ranks(w, A), A, 1, rows, rows)
+    return finish(s, w, first_ranks(w, A), A, 1, rows, rows, verifier=logits[:W], drafter=branch)
 
 
 def linear(m, params, s: State, *, W: int, order: str) -> State:
     # The order is fixed before the drafting call, from last iteration's verifier scores.
     w = window(s, W, order, use_drafts=False)
     n_tok, n_out, p = _n(s)
-    logits, kv = run_call(m, params, layouts.draft(s.n, n_tok, n_out, p, w, m.mask_id), s,
-                          1 + jnp.arange(W))
-    z, _ = predict(logits, m.mask_id)
+    d_logits, kv = run_call(m, params, layouts.draft(s.n, n_tok, n_out, p, w, m.mask_id), s,
+                            1 + jnp.arange(W))
+    z, _ = predict(d_logits, m.mask_id)
     s = commit(s, kv, jnp.zeros(1, jnp.int32), s.pend_out[:1], p, after=z)  # N, cached now
     logits, kv = run_call(m, params, layouts.verify(s.n, w, z, m.mask_id), s, W + jnp.arange(W))
     v, v_prob = predict(logits, m.mask_id)
@@ -92,7 +93,8 @@ def linear(m, params, s: State, *, W: int, order: str) -> State:
     s = set_pending(s, v[jnp.minimum(h, W - 1)][None], w.out[jnp.minimum(h, W - 1)][None],
                     (h < w.u).astype(jnp.int32))
     s = store_drafts(s, w, v, v_prob, from_rank=A)  # scores for the next order (E.6)
-    return finish(s, w, first_ranks(w, A), A, 2, p + 3 * w.u, jnp.maximum(p + w.u, 2 * w.u))
+    return finish(s, w, first_ranks(w, A), A, 2, p + 3 * w.u, jnp.maximum(p + w.u, 2 * w.u),
+                  verifier=logits, drafter=d_logits)
 
 
 def native(m, params, s: State, *, W: int, order: str) -> State:
@@ -109,7 +111,7 @@ def native(m, params, s: State, *, W: int, order: str) -> State:
     A = jnp.sum(take).astype(jnp.int32)
     s = set_pending(s, x[order_], w.out[order_], A)
     rows = p + w.u
-    return finish(s, w, take, A, 1, rows, rows)
+    return finish(s, w, take, A, 1, rows, rows, verifier=logits)
 
 
 def serial(m, params, s: State, *, W: int, order: str) -> State:
@@ -122,7 +124,7 @@ def serial(m, params, s: State, *, W: int, order: str) -> State:
     take = first_ranks(w, 1)
     s = accept(s, w, v, take)
     s = set_pending(s, v, w.out, jnp.int32(1))
-    return finish(s, w, take, jnp.int32(1), 1, p + 1, p + 1)
+    return finish(s, w, take, jnp.int32(1), 1, p + 1, p + 1, verifier=logits)
 
 
 SCHEDULES = {"serial": serial, "native": native, "linear": linear, "quadratic": quadratic,

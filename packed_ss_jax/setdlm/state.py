@@ -17,6 +17,12 @@ the slot axis, and XLA would then lay the loop's cache out slot-major and copy i
 for every attention read of every step.
 
 Everything has a static shape; counts are traced scalars.
+
+Non-finite logits stop the loop: `finish` looks at the verifier rows behind the
+tokens kept this iteration and at the drafter rows (rows past the accepted ranks
+condition on rejected drafts and are not looked at), drops the tokens taken from a
+non-finite row and records in `nonfinite_at` the length of the resolved prefix left;
+the driver raises on the host (engine.check_finite).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import cache as cache_lib
-from ..reductions import first_argmax, leading_true
+from ..reductions import first_argmax, leading_true, nonfinite_rows
 
 # The release sets the MASK logit to -1e12 before its softmax/argmax.
 MASK_LOGIT = -1e12
@@ -60,6 +66,9 @@ class State:
     trace_out: jax.Array   # [I, W] the order pi_t of each iteration (-1 padded)
     trace_A: jax.Array     # [I] A_t, accepted before the stop rule
     trace_fed: jax.Array   # [I] tokens left to feed as clean rows next call (N / C rows)
+    # Output tokens resolved (from finite logits) when NaN/Inf logits stopped the loop;
+    # -1: none. A default, so that a driver building the state need not name it.
+    nonfinite_at: jax.Array = flax.struct.field(default_factory=lambda: jnp.int32(-1))
     # Sampling only (None when greedy): the PRNG key threaded through the loop, and the
     # proposal distributions Q the stored drafts were drawn from, one row per rank of the
     # window that drafted them (`q_out[r]`: that rank's output index, -1: none).
@@ -199,21 +208,32 @@ def apply_stop(s: State) -> State:
                      pend_n=jnp.sum(keep).astype(jnp.int32))
 
 
-def finish(s: State, w: Window, take, A, calls: int, rows, call_rows) -> State:
+def finish(s: State, w: Window, take, A, calls: int, rows, call_rows, *, verifier,
+           drafter=None) -> State:
     """Stop rule, statistics and the trace; done once positions 0..E-1 are all resolved.
 
     take: the ranks accepted this iteration; A: their count before the stop rule;
-    rows: uncached rows over the iteration's calls; call_rows: those of its largest call."""
+    rows: uncached rows over the iteration's calls; call_rows: those of its largest call;
+    verifier[r] / drafter[r]: the logits row that chose rank r's token / draft. NaN or
+    Inf in a row behind a kept token or a draft stops decoding: tokens taken from such
+    rows are dropped, and `nonfinite_at` is the length of the resolved prefix left."""
     s = apply_stop(s)
-    kept = jnp.sum(take & w.active & (w.out < s.E))
+    C = s.tok.shape[0]
+    kept_ranks = take & w.active & (w.out < s.E)
+    bad_ranks = nonfinite_rows(verifier) & kept_ranks
+    bad = jnp.any(bad_ranks)
+    if drafter is not None:
+        bad = bad | jnp.any(nonfinite_rows(drafter) & w.active)
+    res = s.res.at[jnp.where(bad_ranks, w.out, C)].set(False, mode="drop")
+    s = s.replace(res=res, nonfinite_at=jnp.where(bad, leading_true(res), s.nonfinite_at))
+    kept = jnp.sum(kept_ranks)
     it = s.iterations
     trace_out = jax.lax.dynamic_update_slice(
         s.trace_out, jnp.where(w.active, w.out, -1)[None], (jnp.minimum(it, s.trace_out.shape[0] - 1), 0))
-    C = s.tok.shape[0]
     filled = jnp.all(s.res | (jnp.arange(C) >= s.E))
     return s.replace(
         nfe=s.nfe + calls, rows=s.rows + rows, max_rows=jnp.maximum(s.max_rows, call_rows),
         iterations=it + 1, hist=s.hist.at[kept].add(1), trace_out=trace_out,
         trace_A=s.trace_A.at[it].set(A, mode="drop"),
         trace_fed=s.trace_fed.at[it].set(s.pend_n, mode="drop"),
-        done=filled | (it + 1 >= s.trace_A.shape[0]))
+        done=filled | (it + 1 >= s.trace_A.shape[0]) | bad)
