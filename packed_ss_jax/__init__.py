@@ -2,15 +2,19 @@
 
     model = packed_ss_jax.load("path/to/Nemotron-Labs-Diffusion-8B", dtype="bfloat16")
     result = packed_ss_jax.decode(model, prompt_ids, schedule="packed", block_size=32)
+    fn = packed_ss_jax.decoder(model, schedule="packed", block_size=32)  # pure, jittable
 """
 
-from .api import DecodeResult, decode, logits
-from .config import ConfigError, ModelConfig
+from .api import DecodeResult, decode, decoder, logits
 from .checkpoints.errors import CheckpointError
+from .config import ConfigError, ModelConfig
 from .conversion import convert
 from .engine import NonFiniteError
-from .loading import Model, load
+from .families import FAMILIES
+from .loading import load
+from .model import Model
+from .requests import InputError
 
-__all__ = ["CheckpointError", "ConfigError", "DecodeResult", "Model", "ModelConfig",
-           "NonFiniteError", "convert", "decode", "load", "logits"]
+__all__ = ["CheckpointError", "ConfigError", "DecodeResult", "FAMILIES", "InputError", "Model",
+           "ModelConfig", "NonFiniteError", "convert", "decode", "decoder", "load", "logits"]
 __version__ = "0.1.0"

@@ -1,58 +1,151 @@
-"""Public functions: `logits` (parity hook) and `decode` (every schedule)."""
+"""Public functions: `decode` (every schedule of every family), `decoder` (the same decode
+as a pure, jittable function) and `logits` (parity hook). Thin wrappers over the family
+table (families.py) and the driver (engine.py)."""
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Sequence
+from collections.abc import Mapping
+from typing import Callable, Sequence
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import engine, requests
-from .schedules import SCHEDULES
+from . import engine, families, requests
+from .config import ModelConfig
+from .engine import DecodeResult
+from .model import Model
+from .requests import InputError, InputTypeError
 
-DEFAULT_CACHE_SIZE = 4096
-
-
-@dataclasses.dataclass
-class DecodeResult:
-    tokens: list[int]        # generated ids, prompt excluded, EOS included if emitted
-    nfe: int                 # forward passes, prompt processing included
-    iterations: int          # decoder iterations, the first call included
-    accept_hist: np.ndarray  # accept_hist[k]: iterations that appended k tokens
-    wall_s: float            # decoder wall time (synchronised; compile excluded)
-    compile_s: float         # compile time paid by this call (0 when already compiled)
-    schedule: str
-    block_size: int
-    prompt_len: int
-    text: str | None = None
-
-    @property
-    def tokens_per_nfe(self) -> float:
-        return len(self.tokens) / self.nfe
-
-    @property
-    def time_per_nfe_ms(self) -> float:
-        return 1e3 * self.wall_s / self.nfe
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.tokens) / self.wall_s if self.wall_s > 0 else float("inf")
+__all__ = ["DecodeResult", "decode", "decoder", "logits"]
 
 
-def logits(model, tokens, positions, mask, draft_rows=None) -> np.ndarray:
+def as_model(model, config: ModelConfig | None = None):
+    """What `decode` and `logits` decode with: a Model (from `load`), or a params tree
+    together with `config=`."""
+    if config is not None:
+        if not isinstance(config, ModelConfig):
+            raise InputTypeError(f"config must be a packed_ss_jax.ModelConfig, got "
+                                 f"{type(config).__name__}")
+        if not isinstance(model, Mapping):
+            raise InputTypeError(f"with config=, pass the params tree (a dict), got "
+                                 f"{type(model).__name__}")
+        return Model(config=config, params=model)
+    requests.check_model(model)
+    return model
+
+
+def _width(family, block_size, window):
+    """The request's width under the family's own argument name (block_size or window)."""
+    given = {"block_size": block_size, "window": window}
+    other = [name for name, v in given.items() if v is not None and name != family.width_name]
+    if other:
+        raise InputError(f"{family.title} models take {family.width_name}=, not {other[0]}=")
+    return given[family.width_name]
+
+
+def decode(model, prompt: str | Sequence[int], *, config: ModelConfig | None = None,
+           schedule: str = "packed", block_size: int | None = None, window: int | None = None,
+           max_new_tokens: int = 128, eos_id: int | None = -1, temperature: float = 0.0,
+           top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+           cache_size: int | None = None, order: str = "ltr",
+           stop_sequences: Sequence = ()) -> DecodeResult:
+    """Decodes `prompt` (text, with the model's tokenizer, or token ids) with one schedule.
+
+    model:      a `Model` (from `load`), or a params tree with `config=` its ModelConfig.
+    schedule:   Nemotron "ar", "linear", "quadratic", "packed"; SetDLM "serial", "native",
+                "linear", "quadratic", "packed" (see `families.FAMILIES`).
+    block_size: Nemotron: B >= 2 (W = B - 1 drafts per iteration); default the config's.
+    window:     SetDLM: W >= 1, the active window; default the checkpoint's.
+    temperature 0 is greedy (the speculative schedules return exactly the reference's
+    argmax tokens). temperature > 0 samples exactly from the model's tempered, top-k /
+    top-p truncated AR distribution (speculative rejection sampling); `seed` reproduces
+    a run.
+    eos_id:     stop at the first accepted EOS; -1 (default) uses the config's EOS, None
+                disables EOS stopping.
+    order:      SetDLM: "ltr" or "confidence" (App. E.6; greedy only).
+    stop_sequences: SetDLM: markers (token-id lists, or strings with a tokenizer); one
+                counts once all its tokens are accepted, the output ends at the earliest.
+    cache_size: KV slots for prompt + output (default min(4096, max positions)); it is
+                part of the compiled shape, so keep it fixed across calls.
+    """
+    model = as_model(model, config)
+    family = families.of(model.config)
+    request = engine.prepare(
+        model, family, prompt, seed=seed, schedule=schedule,
+        width=_width(family, block_size, window), order=order, temperature=temperature,
+        top_k=top_k, top_p=top_p, cache_size=cache_size, max_new_tokens=max_new_tokens,
+        eos_id=eos_id, stop_sequences=stop_sequences)
+    return engine.run(model, family, request)
+
+
+def decoder(model_or_config, *, schedule: str = "packed", block_size: int | None = None,
+            window: int | None = None, max_new_tokens: int = 128, eos_id: int | None = -1,
+            temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+            cache_size: int | None = None, order: str = "ltr",
+            stop_sequences: Sequence = ()) -> Callable:
+    """The decode as a pure function, for use inside JAX programs:
+
+        fn(params, prompt_ids, prompt_len, key) -> (tokens, n_tokens, stats)
+
+    prompt_ids: [P] int token ids, padded (with any valid id) past `prompt_len`; P is
+    static, P + max_new_tokens <= cache_size. key: a PRNG key (ignored when greedy).
+    tokens: [max_new_tokens] int32, valid up to n_tokens. stats: nfe, iterations,
+    accept_hist, nonfinite_at (the generated position where NaN/Inf logits stopped the
+    loop, -1 when none; tokens past it are not emitted) and, for SetDLM, the row counts
+    and traces. Shapes are static, so `fn` composes with `jax.jit`, `jax.vmap` (over
+    prompts and keys: `jax.vmap(fn, in_axes=(None, 0, 0, 0))`) and sharding; called with
+    `key = jax.random.PRNGKey(seed)` it returns what `decode(..., seed=seed)` returns.
+
+    The arguments are `decode`'s (checked here, once); `model_or_config` is a Model or a
+    ModelConfig (then stop strings cannot be tokenized: give stop sequences as ids).
+    """
+    if isinstance(model_or_config, ModelConfig):
+        model = Model(config=model_or_config, params=None)
+    else:
+        model = as_model(model_or_config)
+    family = families.of(model.config)
+    program, limits, max_new = engine.program_for(
+        family, model.config, schedule=schedule, width=_width(family, block_size, window),
+        order=order, temperature=temperature, top_k=top_k, top_p=top_p, cache_size=cache_size,
+        max_new_tokens=max_new_tokens, eos_id=eos_id, stop_sequences=stop_sequences,
+        tokenizer=getattr(model, "tokenizer", None))
+    run = family.build(model, program)
+
+    def fn(params, prompt_ids, prompt_len, key):
+        prompt_ids, prompt_len = jnp.asarray(prompt_ids), jnp.asarray(prompt_len)
+        chex.assert_rank([prompt_ids, prompt_len], [1, 0])
+        chex.assert_type([prompt_ids, prompt_len], int)
+        P = prompt_ids.shape[0]
+        if P + max_new > program.capacity:
+            raise InputError(f"prompt_ids of length {P} + max_new_tokens ({max_new}) exceed "
+                             f"the cache ({program.capacity} slots)")
+        if key is None:
+            if not program.sampler.greedy:
+                raise InputError("a sampling decoder needs a PRNG key")
+            key = jax.random.PRNGKey(0)
+        out = run(params, prompt_ids.astype(jnp.int32), prompt_len.astype(jnp.int32),
+                  jax.tree.map(jnp.asarray, limits), key)
+        tokens, n_tokens = out.pop("tokens")[:max_new], out.pop("n_tokens")
+        return tokens, n_tokens, out
+
+    return fn
+
+
+def logits(model, tokens, positions, mask, draft_rows=None, *,
+           config: ModelConfig | None = None) -> np.ndarray:
     """One full forward with no cache: tokens/positions [T], mask [T, T] -> [T, V] float32.
 
     `draft_rows` ([T] bool, optional) switches the draft-only adapter on for those rows.
     """
-    requests.check_model(model)
+    model = as_model(model, config)
     tokens = np.asarray(tokens)
     positions = np.asarray(positions)
     mask = np.asarray(mask, bool)
     T = tokens.shape[0] if tokens.ndim == 1 else -1
     if tokens.ndim != 1 or positions.shape != (T,) or mask.shape != (T, T):
-        raise ValueError(f"expected tokens [T], positions [T], mask [T, T]; got {tokens.shape}, "
+        raise InputError(f"expected tokens [T], positions [T], mask [T, T]; got {tokens.shape}, "
                          f"{positions.shape}, {mask.shape}")
     requests.check_ids(tokens, model.vocab_size, "tokens")
     rows = np.zeros(T, bool) if draft_rows is None else np.asarray(draft_rows, bool)
@@ -70,72 +163,3 @@ def _forward_nocache(model):
         _nocache[model.key] = jax.jit(
             lambda p, t, pos, m, r: model.forward(p, t, pos, m, model.empty_cache(0), 0, r))
     return _nocache[model.key]
-
-
-def decode(model, prompt: str | Sequence[int], *, schedule: str = "packed",
-           block_size: int | None = None, max_new_tokens: int = 128, eos_id: int | None = -1,
-           temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-           seed: int = 0, cache_size: int | None = None, window: int | None = None,
-           order: str = "ltr", stop_sequences: Sequence = ()) -> DecodeResult:
-    """Decoding with one schedule: "ar", "linear", "quadratic" or "packed".
-
-    temperature 0 is greedy (the speculative schedules return exactly the AR argmax
-    tokens). temperature > 0 samples exactly from the AR model's tempered, top-k /
-    top-p truncated distribution (speculative rejection sampling); `seed` makes a run
-    reproducible.
-
-    block_size: B >= 2 (speculative width W = B - 1); default the config's block size
-                (ignored by "ar").
-    eos_id:     stop at the first accepted EOS; -1 (default) uses the config's EOS,
-                None disables EOS stopping.
-    cache_size: KV slots for prompt + output (default min(4096, max positions)); it
-                is part of the compiled shape, so keep it fixed across calls.
-    SetDLM models (config.family "setdlm") take `window` (W >= 1), `order` ("ltr" or
-    "confidence") and `stop_sequences` (multi-token markers) instead of `block_size`, and
-    the schedules "packed", "linear", "quadratic", "native" and "serial"; they sample
-    (temperature > 0) with order "ltr" and the schedules other than "native"; see
-    `packed_ss_jax.setdlm.decode.decode`.
-    """
-    requests.check_model(model)
-    if getattr(getattr(model, "config", None), "family", None) == "setdlm":
-        return _setdlm(model, prompt, locals())
-    if window is not None or order != "ltr" or stop_sequences:
-        raise requests.InputError("window, order and stop_sequences apply to SetDLM models "
-                                  "only; this model decodes with block_size")
-    if not isinstance(schedule, str) or schedule not in SCHEDULES:
-        raise requests.InputError(f"unknown schedule {schedule!r}; expected one of "
-                                  f"{sorted(SCHEDULES)}")
-    sampler = requests.sampler(temperature, top_k, top_p)
-    seed = requests.seed(seed)
-    config = getattr(model, "config", None)
-    if block_size is None:
-        block_size = getattr(config, "block_size", 8)
-    block_size = requests.integer(block_size, "block_size", 2)
-    max_new_tokens = requests.integer(max_new_tokens, "max_new_tokens", 1)
-    eos_id = requests.eos_id(eos_id, config, model.vocab_size)
-    B = 1 if schedule == "ar" else block_size
-    cache_size = requests.cache_size(cache_size, config, block=B, block_name="block_size",
-                                     default=DEFAULT_CACHE_SIZE)
-    ids = requests.prompt_ids(model, prompt)
-    requests.fits(len(ids), max_new_tokens, cache_size)
-    raw = engine.run(model, model.params, ids, schedule=schedule, block_size=B,
-                     max_new=max_new_tokens, eos_id=eos_id, capacity=cache_size,
-                     sampler=sampler, seed=seed)
-    tokens = raw.tokens.tolist()
-    text = model.tokenizer.decode(tokens) if getattr(model, "tokenizer", None) is not None else None
-    return DecodeResult(tokens=tokens, nfe=raw.nfe, iterations=raw.iterations,
-                        accept_hist=raw.accept_hist, wall_s=raw.wall_s, compile_s=raw.compile_s,
-                        schedule=schedule, block_size=B, prompt_len=len(ids), text=text)
-
-
-def _setdlm(model, prompt, args):
-    """SetDLM has its own layouts and schedules (packed_ss_jax.setdlm); sampling is LTR only."""
-    from .setdlm.decode import decode as setdlm_decode
-
-    if args["block_size"] is not None:
-        raise requests.InputError("SetDLM models take window= (W), not block_size")
-    return setdlm_decode(model, prompt, schedule=args["schedule"], window=args["window"],
-                         order=args["order"], stop_sequences=args["stop_sequences"],
-                         max_new_tokens=args["max_new_tokens"], eos_id=args["eos_id"],
-                         cache_size=args["cache_size"], temperature=args["temperature"],
-                         top_k=args["top_k"], top_p=args["top_p"], seed=args["seed"])

@@ -1,8 +1,9 @@
 """Model configuration: one frozen, hashable dataclass per checkpoint.
 
 The config is a static argument of every jitted function, so it must be
-hashable; it is written down once here and read from a Hugging Face
-`config.json` by `from_hf_config`.
+hashable; it is written down once here, with the readers of each family's Hugging
+Face `config.json` (`nemotron_from_hf`, `setdlm_from_hf`; `families.parse_hf_config`
+picks one by `model_type`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import numpy as np
 
 NEMOTRON_MODEL_TYPE = "nemotron_labs_diffusion"
 SETDLM_MODEL_TYPE = "bd3lm"
-FAMILIES = ("nemotron", "setdlm")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -71,8 +71,6 @@ class ModelConfig:
 
     def __post_init__(self):
         self._normalise_types()
-        if self.family not in FAMILIES:
-            raise ConfigError(f"unknown model family {self.family!r}; expected one of {FAMILIES}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; expected one of {DTYPES}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -267,7 +265,7 @@ def _first_id(cfg: Mapping[str, Any], key: str, place: str) -> int | None:
     return int_field(cfg, key, place, None, minimum=0)
 
 
-def _require_object(cfg, place: str) -> None:
+def require_object(cfg, place: str) -> None:
     if not isinstance(cfg, Mapping):
         raise ConfigError(f"{place} must be a JSON object ({{...}}), got {type(cfg).__name__}")
 
@@ -275,7 +273,7 @@ def _require_object(cfg, place: str) -> None:
 def nemotron_from_hf(cfg: Mapping[str, Any], dtype: str = "float32") -> ModelConfig:
     """Reads a Nemotron-Labs-Diffusion `config.json` (Ministral-3 backbone)."""
     place = where(cfg, "Nemotron-Labs-Diffusion config.json")
-    _require_object(cfg, place)
+    require_object(cfg, place)
     hidden = int_field(cfg, "hidden_size", place, minimum=1)
     heads = int_field(cfg, "num_attention_heads", place, minimum=1)
     # Ministral-3 decouples head_dim from hidden/heads (the 3B model maps 3072 -> 4096).
@@ -343,7 +341,7 @@ def read_hf_config(path: str | Path) -> ConfigFile:
         raise ConfigError(f"{file} is not valid JSON: {e}") from None
     except OSError as e:
         raise ConfigError(f"cannot read {file}: {e.strerror or e}") from None
-    _require_object(cfg, str(file))
+    require_object(cfg, str(file))
     out = ConfigFile(cfg)
     out.file = file
     return out
@@ -370,7 +368,7 @@ def setdlm_from_hf(cfg: Mapping[str, Any], dtype: str = "float32",
     never from the top-level `vocab_size`, which is the tokenizer length.
     """
     place = where(cfg, "SetDLM config.json")
-    _require_object(cfg, place)
+    require_object(cfg, place)
     archs = cfg.get("architectures") or []
     if isinstance(archs, str):
         archs = [archs]
@@ -383,7 +381,7 @@ def setdlm_from_hf(cfg: Mapping[str, Any], dtype: str = "float32",
     if base_config is not None:
         qwen = _base_config(base_config)
         bplace = where(qwen, "SetDLM backbone (Qwen3) config")
-        _require_object(qwen, bplace)
+        require_object(qwen, bplace)
     elif cfg.get("qwen3_config"):
         qwen = section(cfg, "qwen3_config", place)
         bplace = place
@@ -446,22 +444,3 @@ def setdlm_from_hf(cfg: Mapping[str, Any], dtype: str = "float32",
         tie_embeddings=bool_field(qwen, "tie_word_embeddings", bplace, True),
         dtype=dtype,
     )
-
-
-def from_hf_config(cfg: Mapping[str, Any], dtype: str = "float32",
-                   base_config: Mapping[str, Any] | str | Path | None = None) -> ModelConfig:
-    """Dispatches on `model_type`; other families get a clear error.
-
-    `base_config` (SetDLM only) supplies the backbone dimensions, see `setdlm_from_hf`.
-    """
-    _require_object(cfg, where(cfg, "config.json"))
-    model_type = cfg.get("model_type")
-    if model_type == NEMOTRON_MODEL_TYPE:
-        if base_config is not None:
-            raise ConfigError("base_config is only used for SetDLM checkpoints")
-        return nemotron_from_hf(cfg, dtype)
-    if model_type == SETDLM_MODEL_TYPE:
-        return setdlm_from_hf(cfg, dtype, base_config)
-    raise ConfigError(
-        f"unsupported model_type {model_type!r}: expected {NEMOTRON_MODEL_TYPE!r} "
-        f"(a Nemotron-Labs-Diffusion checkpoint) or {SETDLM_MODEL_TYPE!r} (SetDLM)")

@@ -1,9 +1,15 @@
-"""The decode driver: first call, then `lax.while_loop` over one schedule step.
+"""The decode driver, one for every family: request checks, programs, the compile cache,
+the timed run and the result type.
 
-One program per (model config, schedule, B, prompt bucket, cache size, sampler) is
-lowered and compiled ahead of time and kept; the prompt length, `max_new_tokens`,
-the EOS id and the seed are traced arguments, so they never recompile. Nothing
-returns to the host until the loop has stopped.
+A request is checked once (`prepare`) and becomes a `Program` (everything a compiled
+decode is specialised on: family, schedule, width, order, prompt bucket, cache size,
+sampler) plus its traced arguments (the padded prompt, its length, the family's
+limits, the seed). The family's `build(model, program)` gives a pure function
+`run(params, prompt, n, limits, key) -> outcome`: the first call, then
+`lax.while_loop` over one schedule step, with nothing returning to the host until the
+loop has stopped. Each program is lowered and compiled ahead of time once per model
+config (`aot`); a new prompt in the same bucket, a new length limit, stop markers or
+seed reuse it.
 
 A loop that read NaN or Inf logits stops there and reports where (see
 schedules/state.py, setdlm/state.py); `check_finite` turns that into a
@@ -20,32 +26,81 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import requests
+from .requests import InputError
 from .sampling import Sampler
-from .schedules import SCHEDULES
 
 MIN_BUCKET = 16
+DEFAULT_CACHE_SIZE = 4096
 
 
 @dataclasses.dataclass(frozen=True)
 class Program:
+    """What one compiled decode program is specialised on; all else is traced."""
+
+    family: str
     schedule: str
-    block_size: int
-    bucket: int
-    capacity: int
+    width: int        # the family's width: block size B (Nemotron), window W (SetDLM)
+    bucket: int       # padded prompt length
+    capacity: int     # KV slots for prompt + output
     sampler: Sampler = Sampler()
+    order: str = "ltr"
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A checked request: its program and traced arguments."""
+
+    program: Program
+    prompt: np.ndarray        # int32 ids, unpadded
+    limits: dict[str, Any]    # the family's traced limits (length limit, EOS / stop markers)
+    seed: int
+    max_new: int
+
+    def args(self, seed=None):
+        """The program's arguments after params: padded prompt, its length, limits, seed."""
+        padded = np.zeros(self.program.bucket, np.int32)
+        padded[: len(self.prompt)] = self.prompt
+        seed = self.seed if seed is None else seed
+        return (jnp.asarray(padded), jnp.int32(len(self.prompt)),
+                jax.tree.map(jnp.asarray, self.limits), jnp.asarray(seed, jnp.uint32))
 
 
 @dataclasses.dataclass
-class RawResult:
-    tokens: np.ndarray
-    nfe: int
-    iterations: int
-    accept_hist: np.ndarray
-    wall_s: float
-    compile_s: float
+class DecodeResult:
+    tokens: list[int]        # generated ids, prompt excluded, EOS / stop marker included
+    nfe: int                 # forward passes, prompt processing included
+    iterations: int          # decoder iterations, the first call included
+    accept_hist: np.ndarray  # accept_hist[k]: iterations that appended (kept) k tokens
+    wall_s: float            # decoder wall time (synchronised; compile excluded)
+    compile_s: float         # compile time paid by this call (0 when already compiled)
+    schedule: str
+    block_size: int          # B = W + 1
+    prompt_len: int
+    text: str | None = None
+    family: str = "nemotron"
+    window: int = 0          # W, the speculative width (drafts per iteration)
+    order: str = "ltr"
+    # SetDLM accounting (Table 2): uncached rows evaluated after the prompt call, the most
+    # rows in one call; and per iteration the verification order pi_t, A_t, and the
+    # accepted tokens left to feed as clean rows next call. None / empty for Nemotron.
+    rows: int | None = None
+    max_rows: int | None = None
+    orders: list = dataclasses.field(default_factory=list)
+    accepted: list = dataclasses.field(default_factory=list)
+    fed: list = dataclasses.field(default_factory=list)
 
+    @property
+    def tokens_per_nfe(self) -> float:
+        return len(self.tokens) / self.nfe
 
-_compiled: dict[tuple[Hashable, Program], Callable] = {}
+    @property
+    def time_per_nfe_ms(self) -> float:
+        return 1e3 * self.wall_s / self.nfe
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.wall_s if self.wall_s > 0 else float("inf")
 
 
 class NonFiniteError(FloatingPointError, ValueError):
@@ -87,43 +142,86 @@ def bucket_for(n: int, capacity: int) -> int:
     return min(b, capacity)
 
 
-def build(m, p: Program) -> Callable:
-    """The pure decode function of one program (not yet jitted)."""
-    init, step = SCHEDULES[p.schedule]
-    B = p.block_size
-
-    sampler = p.sampler
-
-    def run(params, prompt, n, max_new, eos_id, seed):
-        key = jax.random.PRNGKey(seed)
-        s = init(m, params, prompt, n, B=B, capacity=p.capacity, max_new=max_new, eos_id=eos_id,
-                 sampler=sampler, key=key)
-        s = jax.lax.while_loop(lambda s: ~s.done,
-                               lambda s: step(m, params, s, B=B, sampler=sampler), s)
-        return s.out, s.n_out, s.nfe, s.iterations, s.hist, s.nonfinite_at
-
-    return run
+# --- requests -------------------------------------------------------------------------------
 
 
-def _args(prompt_ids: np.ndarray, bucket: int, max_new: int, eos_id: int | None, seed=0):
-    padded = np.zeros(bucket, np.int32)
-    padded[: len(prompt_ids)] = prompt_ids
-    return (jnp.asarray(padded), jnp.int32(len(prompt_ids)), jnp.int32(max_new),
-            jnp.int32(-1 if eos_id is None else eos_id), jnp.asarray(seed, jnp.uint32))
+def _choice(value, name: str, choices, where: str = "") -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise InputError(f"unknown {name} {value!r}{where}; expected one of {sorted(choices)}")
+    return value
 
 
-def compiled(m, params, p: Program) -> tuple[Callable, float]:
-    """The compiled program and the seconds spent compiling it now (0.0 when cached)."""
-    return aot((m.key, p), build(m, p), params, *_args(np.zeros(1, np.int32), p.bucket, 1, None))
+def check_options(family, schedule, order, sampler: Sampler) -> None:
+    """The schedule, order and sampling combination is one the family decodes."""
+    _choice(schedule, "schedule", family.schedules, f" for {family.title} models")
+    if order != family.orders[0]:
+        if len(family.orders) == 1:
+            raise InputError(f"order {order!r}: {family.title} models verify in one order "
+                             f"only, order={family.orders[0]!r}")
+        _choice(order, "order", family.orders)
+        if schedule in family.orderless:
+            raise InputError(f"schedule {schedule!r} has no verification order; use "
+                             f"order={family.orders[0]!r}")
+    if not sampler.greedy:
+        if schedule not in family.sampled:
+            raise InputError(f"schedule {schedule!r} is greedy only: temperature must be 0; "
+                             f"sampling is supported by {sorted(family.sampled)}")
+        if order != family.orders[0]:
+            raise InputError("any-order sampling is not supported: temperature > 0 needs "
+                             f"order={family.orders[0]!r}")
+
+
+def program_for(family, config, *, schedule="packed", width=None, order="ltr",
+                temperature=0.0, top_k=None, top_p=None, cache_size=None, max_new_tokens=128,
+                eos_id=-1, stop_sequences=(), tokenizer=None, bucket=None):
+    """The program and the traced limits of a request, every argument checked (no prompt:
+    `bucket`, the padded prompt length, is given or filled in by `prepare`)."""
+    sampler = requests.sampler(temperature, top_k, top_p)
+    check_options(family, schedule, order, sampler)
+    if width is None:
+        width = config.block_size
+    width = family.width(schedule, requests.integer(width, family.width_name, family.min_width))
+    max_new = requests.integer(max_new_tokens, "max_new_tokens", 1)
+    eos = requests.eos_id(eos_id, config, config.vocab_size)
+    if stop_sequences and not family.stop_sequences:
+        raise InputError(f"stop_sequences are not supported for {family.title} models yet; "
+                         "use eos_id")
+    limits = family.limits(tokenizer, config.vocab_size, max_new, eos, stop_sequences)
+    capacity = requests.cache_size(cache_size, config, block=width, block_name=family.width_name,
+                                   default=DEFAULT_CACHE_SIZE)
+    program = Program(family.name, schedule, width, bucket or 0, capacity, sampler, order)
+    return program, limits, max_new
+
+
+def prepare(model, family, prompt, *, seed=0, **options) -> Request:
+    """A checked request for `decode` (see `program_for` for the options)."""
+    seed = requests.seed(seed)
+    program, limits, max_new = program_for(family, model.config,
+                                           tokenizer=getattr(model, "tokenizer", None), **options)
+    ids = requests.prompt_ids(model, prompt)
+    requests.fits(len(ids), max_new, program.capacity)
+    program = dataclasses.replace(program, bucket=bucket_for(len(ids), program.capacity))
+    return Request(program, ids, limits, seed, max_new)
+
+
+# --- compiled programs ----------------------------------------------------------------------
+
+_compiled: dict[Hashable, Any] = {}
 
 
 def clear_cache() -> None:
     _compiled.clear()
 
 
-def aot(key: Hashable, fn: Callable, *args) -> tuple[Callable, float]:
-    """`fn` lowered and compiled for `args` once per hashable `key` (every decode program,
-    of any family, goes through here); returns it and the seconds spent compiling now."""
+def executables(model_key: Hashable) -> dict[Program, Any]:
+    """The compiled decode programs of one model config (for profiling: `.as_text()`)."""
+    return {k[1]: exe for k, exe in _compiled.items()
+            if len(k) == 2 and k[0] == model_key and isinstance(k[1], Program)}
+
+
+def aot(key: Hashable, fn: Callable, *args) -> tuple[Any, float]:
+    """`fn` lowered and compiled for `args` once per hashable `key` (every decode program
+    goes through here); returns it and the seconds spent compiling now."""
     if key in _compiled:
         return _compiled[key], 0.0
     t0 = time.perf_counter()
@@ -132,32 +230,64 @@ def aot(key: Hashable, fn: Callable, *args) -> tuple[Callable, float]:
     return exe, time.perf_counter() - t0
 
 
-def run(m, params, prompt_ids: np.ndarray, *, schedule: str, block_size: int, max_new: int,
-        eos_id: int | None, capacity: int, sampler: Sampler = Sampler(), seed: int = 0) -> RawResult:
-    p = Program(schedule, block_size, bucket_for(len(prompt_ids), capacity), capacity, sampler)
-    exe, compile_s = compiled(m, params, p)
-    args = _args(prompt_ids, p.bucket, max_new, eos_id, seed)
+def seeded(run: Callable) -> Callable:
+    """`run` taking a seed instead of a key: the seed stays a traced argument, and the key
+    is made inside the program (`decoder`'s functions take the key itself)."""
+    return lambda params, prompt, n, limits, seed: run(params, prompt, n, limits,
+                                                       jax.random.PRNGKey(seed))
+
+
+def compiled(model, family, request: Request) -> tuple[Any, float]:
+    """The compiled program of a request and the seconds spent compiling it now."""
+    run = seeded(family.build(model, request.program))
+    return aot((model.key, request.program), run, model.params, *request.args())
+
+
+def run(model, family, request: Request) -> DecodeResult:
+    """Decodes one checked request: compile (once), run, synchronise, read the outcome."""
+    exe, compile_s = compiled(model, family, request)
+    args = request.args()
     t0 = time.perf_counter()
-    out = jax.block_until_ready(exe(params, *args))
+    out = jax.block_until_ready(exe(model.params, *args))
     wall = time.perf_counter() - t0
-    tokens, n_out, nfe, iterations, hist, nonfinite_at = jax.device_get(out)
-    check_finite(nonfinite_at, iterations, tokens)
-    return RawResult(tokens=np.asarray(tokens[:n_out]), nfe=int(nfe), iterations=int(iterations),
-                     accept_hist=np.asarray(hist), wall_s=wall, compile_s=compile_s)
+    out = jax.device_get(out)
+    check_finite(out["nonfinite_at"], out["iterations"], out["tokens"])
+    return result(model, family, request, out, wall, compile_s)
 
 
-def run_many(m, params, prompt_ids: np.ndarray, seeds: np.ndarray, *, schedule: str,
-             block_size: int, max_new: int, eos_id: int | None, capacity: int,
-             sampler: Sampler) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Many independent samples of one prompt in one call: the decode vmapped over seeds.
+def result(model, family, request: Request, out: dict, wall_s: float,
+           compile_s: float) -> DecodeResult:
+    """The DecodeResult of one decode's outcome (host arrays)."""
+    p = request.program
+    iters = int(out["iterations"])
+    tokens = np.asarray(out["tokens"])[: int(out["n_tokens"])].tolist()
+    tokenizer = getattr(model, "tokenizer", None)
+    W = family.window(p.width)
+    extra = {}
+    if "rows" in out:
+        extra = dict(rows=int(out["rows"]), max_rows=int(out["max_rows"]),
+                     orders=[[int(o) for o in row if o >= 0] for row in out["trace_order"][:iters]],
+                     accepted=[int(a) for a in out["trace_accepted"][:iters]],
+                     fed=[int(f) for f in out["trace_fed"][:iters]])
+    return DecodeResult(
+        tokens=tokens, nfe=int(out["nfe"]), iterations=iters,
+        accept_hist=np.asarray(out["accept_hist"]), wall_s=wall_s, compile_s=compile_s,
+        schedule=p.schedule, block_size=W + 1, prompt_len=len(request.prompt),
+        text=tokenizer.decode(tokens) if tokenizer is not None else None, family=family.name,
+        window=W, order=p.order, **extra)
 
-    Returns tokens [N, capacity], lengths [N], nfe [N]. Row i equals `run(..., seed=seeds[i])`;
-    raises NonFiniteError as `run` does if any sample met non-finite logits.
+
+def run_many(model, family, request: Request, seeds) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Many independent samples of one request in one call: the decode vmapped over seeds.
+
+    Returns tokens [N, C], lengths [N] and NFE [N]; row i equals the request decoded with
+    seed seeds[i]. Raises NonFiniteError as `run` does if any sample met NaN/Inf logits.
     """
-    p = Program(schedule, block_size, bucket_for(len(prompt_ids), capacity), capacity, sampler)
-    many = jax.vmap(build(m, p), in_axes=(None, None, None, None, None, 0))
-    args = _args(prompt_ids, p.bucket, max_new, eos_id)[:-1] + (jnp.asarray(seeds, jnp.uint32),)
-    exe, _ = aot((m.key, p, "many", len(seeds)), many, params, *args)
-    out, n_out, nfe, iterations, _, nonfinite_at = jax.device_get(exe(params, *args))
-    check_finite(nonfinite_at, iterations, out)
-    return np.asarray(out), np.asarray(n_out), np.asarray(nfe)
+    seeds = requests.seeds(seeds)
+    many = jax.vmap(seeded(family.build(model, request.program)),
+                    in_axes=(None, None, None, None, 0))
+    args = request.args()[:-1] + (jnp.asarray(seeds, jnp.uint32),)
+    exe, _ = aot((model.key, request.program, "many", len(seeds)), many, model.params, *args)
+    out = jax.device_get(exe(model.params, *args))
+    check_finite(out["nonfinite_at"], out["iterations"], out["tokens"])
+    return np.asarray(out["tokens"]), np.asarray(out["n_tokens"]), np.asarray(out["nfe"])

@@ -26,6 +26,7 @@ backbones are the same module with different config switches.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -252,3 +253,76 @@ def init_params(c: ModelConfig, key: jax.Array) -> Params:
     return Transformer(c).init(
         key, jnp.zeros(t, jnp.int32), jnp.arange(t), jnp.ones((t, t), bool), empty_cache(c, 0),
         jnp.int32(0), jnp.zeros(t, bool))["params"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Model:
+    """A config, its params and (optionally) a tokenizer: what `decode` and `logits` take.
+
+    A JAX pytree: the params are its leaves and the config, tokenizer and source its static
+    structure, so a model goes through `jax.jit`, `jax.device_put`, sharding and tree
+    utilities like any params tree (`jax.tree.map(f, model)` is a Model again).
+    """
+
+    config: ModelConfig
+    params: Any             # kept in the decoding layout (see `unstack_layers`)
+    tokenizer: Any = None
+    source: str | None = None
+
+    def __post_init__(self):
+        # Params arrive in the stored layout (checkpoints, training); the decode programs
+        # read each layer's weights from their own buffers, so split them once, here.
+        if self.params is not None:
+            object.__setattr__(self, "params", unstack_layers(self.params))
+
+    @property
+    def stored_params(self):
+        """The params in the stored layout (`layers` stacked), as checkpoints hold them."""
+        return stack_layers(self.params)
+
+    @property
+    def key(self):
+        """Identifies the compiled code: programs depend on the config, not on the weights."""
+        return ("transformer", self.config)
+
+    @property
+    def mask_id(self) -> int:
+        return self.config.mask_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def forward(self, params, tokens, positions, mask, cache, cache_len, draft_rows=None,
+                out_rows=None):
+        return forward(self.config, params, tokens, positions, mask, cache, cache_len,
+                       draft_rows, out_rows)
+
+    def empty_cache(self, size: int):
+        return empty_cache(self.config, size)
+
+    def __repr__(self):
+        c = self.config
+        n = sum(getattr(x, "size", 0) for x in jax.tree.leaves(self.params))
+        return (f"Model({c.family}, {n / 1e6:.2f}M params, {c.num_layers} layers, "
+                f"vocab {c.vocab_size}, {c.dtype}, lora={'on' if c.lora_rank else 'off'}, "
+                f"source={self.source!r})")
+
+
+def _model_children(m: Model):
+    return ((jax.tree_util.GetAttrKey("params"), m.params),), (m.config, m.tokenizer, m.source)
+
+
+def _model_unflatten(static, children) -> Model:
+    # Not through __init__: a transformation may hand back leaves of any kind (tracers,
+    # shapes, shardings), which must not be re-split into layers.
+    m = object.__new__(Model)
+    for name, value in zip(("config", "tokenizer", "source"), static):
+        object.__setattr__(m, name, value)
+    object.__setattr__(m, "params", children[0])
+    return m
+
+
+jax.tree_util.register_pytree_with_keys(
+    Model, _model_children, _model_unflatten,
+    flatten_func=lambda m: ((m.params,), (m.config, m.tokenizer, m.source)))

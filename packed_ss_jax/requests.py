@@ -46,7 +46,7 @@ def integer(value, name: str, minimum: int | None = None) -> int:
 
 def check_model(model) -> None:
     """Refuses anything that is not a model (a params dict, a path, None) up front."""
-    needed = ("params", "forward", "empty_cache", "vocab_size", "mask_id", "key")
+    needed = ("config", "params", "forward", "empty_cache", "vocab_size", "mask_id", "key")
     if all(hasattr(model, a) for a in needed):
         return
     got = type(model).__name__

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from packed_ss_jax import ModelConfig
+
 MAX_ROLL = 64
 
 
@@ -33,6 +35,15 @@ class ThresholdModel:
     @property
     def mask_id(self) -> int:
         return self.vocab_size - 1
+
+    @property
+    def config(self) -> ModelConfig:
+        """What the decoder reads of a config: the family and the token ids (the layer
+        dimensions are placeholders: this model has no layers)."""
+        return ModelConfig(family="nemotron", vocab_size=self.vocab_size, hidden_size=1,
+                           num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2,
+                           intermediate_size=1, rms_norm_eps=1e-5, mask_token_id=self.mask_id,
+                           block_size=4)
 
     @property
     def key(self):

@@ -6,7 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks import bench, scoring, stats, tasks, timing
+from packed_ss_jax.bench import harness as bench
+from packed_ss_jax.bench import scoring, stats, tasks, timing
 
 DATA = Path(__file__).parent / "data"
 
@@ -159,7 +160,7 @@ def test_null_split_scales_by_iterations(monkeypatch):
         r = real(model, prompt, **kw)
         return dataclasses.replace(r, wall_s=0.001 if isinstance(model, timing.Null) else 0.01)
 
-    monkeypatch.setattr(ps, "decode", decode)
+    monkeypatch.setattr(bench.api, "decode", decode)
     prompts = tasks.load("arithmetic", None, 1)
     per = bench.run(ps.load(), prompts, ["packed"], {"packed": 4}, capacity=256,
                     max_new_tokens=12, progress=False)
@@ -173,11 +174,11 @@ def test_null_split_scales_by_iterations(monkeypatch):
 
 
 def test_block_size_spec():
-    assert bench.parse_block_sizes("8", ["ar", "packed"]) == {"ar": 8, "packed": 8}
-    assert bench.parse_block_sizes("packed=16,linear=4", ["linear", "packed"]) == \
+    assert bench.parse_widths("8", ["ar", "packed"]) == {"ar": 8, "packed": 8}
+    assert bench.parse_widths("packed=16,linear=4", ["linear", "packed"]) == \
         {"linear": 4, "packed": 16}
     with pytest.raises(ValueError, match="not among"):
-        bench.parse_block_sizes("quadratic=4", ["packed"])
+        bench.parse_widths("quadratic=4", ["packed"])
 
 
 def test_end_to_end_small(tmp_path, capsys):
@@ -208,8 +209,8 @@ def test_probe_picks_fastest_block_size(tmp_path, capsys):
     assert rc == 0
     r = json.loads(out.read_text())
     rows = r["probe"]
-    assert [(x["schedule"], x["block_size"]) for x in rows] == [("packed", 2), ("packed", 4)]
-    fastest = max(rows, key=lambda x: x["throughput_tok_s"])["block_size"]
+    assert [(x["schedule"], x["width"]) for x in rows] == [("packed", 2), ("packed", 4)]
+    fastest = max(rows, key=lambda x: x["throughput_tok_s"])["width"]
     assert r["results"]["packed"]["block_size"] == fastest
     assert r["results"]["linear"]["block_size"] == 3          # --block-size wins over the probe
     # the probe decodes the first ten prompts only (greedy: the same tokens at every B)
@@ -232,7 +233,7 @@ def test_repeats_keep_the_fastest_decode(monkeypatch):
         calls.append((prompt, kw["schedule"]))
         return dataclasses.replace(r, wall_s=[0.3, 0.2, 0.1][(len(calls) - 1) // 2 % 3])
 
-    monkeypatch.setattr(ps, "decode", decode)
+    monkeypatch.setattr(bench.api, "decode", decode)
     prompts = tasks.load("arithmetic", None, 2)
     per = bench.run(ps.load(), prompts, ["ar", "packed"], {"ar": None, "packed": 4},
                     capacity=256, max_new_tokens=4, repeats=3, split=None, progress=False)

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from packed_ss_jax import engine
+from packed_ss_jax import engine, families
 from packed_ss_jax.sampling import Sampler
 from tiny import tiny_model
 
@@ -33,10 +33,13 @@ def test_decode_loop_never_copies_the_cache(schedule, sampler):
     m = tiny_model(0)
     c = m.config
     B = 4
-    p = engine.Program(schedule, B, 16, CAPACITY, sampler)
-    exe, _ = engine.compiled(m, m.params, p)
-    # The cache holds capacity + B slots (one block of headroom, see cache.py).
-    shape = f"f32[{c.num_kv_heads},{CAPACITY + B},{c.head_dim}]"
+    family = families.of(c)
+    request = engine.prepare(m, family, [1, 2, 3], schedule=schedule, width=B,
+                             cache_size=CAPACITY, max_new_tokens=8,
+                             temperature=sampler.temperature)
+    exe, _ = engine.compiled(m, family, request)
+    # The cache holds capacity + B slots (one block of headroom, see cache.py; B = 1 for AR).
+    shape = f"f32[{c.num_kv_heads},{CAPACITY + request.program.width},{c.head_dim}]"
     _check(exe.as_text(), shape, schedule)
 
 
@@ -56,17 +59,14 @@ SETDLM_CASES = [("serial", "ltr", 0.0), ("native", "ltr", 0.0), ("linear", "conf
 
 @pytest.mark.parametrize("schedule,order,temperature", SETDLM_CASES)
 def test_setdlm_loop_never_copies_the_cache(schedule, order, temperature):
-    from packed_ss_jax.setdlm import decode as setdlm_decode
     from test_setdlm_decode import tiny_setdlm
 
     m = tiny_setdlm(0)
-    W, cache_size = 3, 64
-    setdlm_decode.decode(m, [3, 4, 5, 6], schedule=schedule, order=order, window=W,
-                         max_new_tokens=20, cache_size=cache_size, temperature=temperature)
-    p, exe = next((key[2], exe) for key, exe in reversed(engine._compiled.items())
-                  if key[0] == "setdlm" and key[2].schedule == schedule
-                  and key[2].order == order and key[2].sampler.temperature == temperature)
-    c = m.config
-    # The buffer holds capacity + 2W + 2 slots (see setdlm/decode.py; serial runs W = 1).
-    shape = f"f32[{c.num_kv_heads},{p.capacity + 2 * p.window + 2},{c.head_dim}]"
+    family = families.of(m.config)
+    request = engine.prepare(m, family, [3, 4, 5, 6], schedule=schedule, order=order, width=3,
+                             max_new_tokens=20, cache_size=64, temperature=temperature)
+    exe, _ = engine.compiled(m, family, request)
+    p, c = request.program, m.config
+    # The buffer holds capacity + 2W + 2 slots (see setdlm/program.py; serial runs W = 1).
+    shape = f"f32[{c.num_kv_heads},{p.capacity + 2 * p.width + 2},{c.head_dim}]"
     _check(exe.as_text(), shape, schedule)

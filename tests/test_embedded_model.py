@@ -80,7 +80,7 @@ def test_problems_fit_the_training_window_and_the_output_cap(embedded):
     so the answer line is always trained, and every solution fits the evaluation cap."""
     import itertools
 
-    from benchmarks import tasks
+    from packed_ss_jax.bench import tasks
     from packed_ss_jax.training.evaluate import MAX_NEW_ARITH
     from packed_ss_jax.training.train import TrainConfig
 

@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 import packed_ss_jax as ps
-from packed_ss_jax import Model, ModelConfig, engine
-from packed_ss_jax.setdlm.decode import _prepare
+from packed_ss_jax import Model, ModelConfig, engine, families
 from tiny import tiny_config
 
 # Argument checks come before any computation, so most cases need no weights at all.
@@ -143,44 +142,28 @@ def test_eos_outside_the_vocabulary_from_the_config_is_explained():
         ps.decode(model, PROMPT, max_new_tokens=4, cache_size=32)
 
 
-def test_setdlm_numpy_arguments_prepare_the_same_program():
-    """The program and its traced arguments do not depend on NumPy vs Python scalars."""
-    py = dict(schedule="packed", window=3, order="ltr", stop_sequences=[[2, 3], 4],
-              max_new_tokens=5, eos_id=1, cache_size=32, temperature=0.5, top_k=3, top_p=0.75)
-    npy = dict(py, window=np.int64(3), stop_sequences=[np.array([2, 3], np.int32), np.int64(4)],
-               max_new_tokens=np.int32(5), eos_id=np.int64(1), cache_size=np.int32(32),
-               temperature=np.float32(0.5), top_k=np.int64(3), top_p=np.float32(0.75))
-    a = _prepare(SETDLM, PROMPT, **py)
-    b = _prepare(SETDLM, np.asarray(PROMPT, np.int64), **npy)
-    assert a[0] == b[0] and hash(a[0]) == hash(b[0])
-    for x, y in zip(a[1], b[1]):
-        np.testing.assert_array_equal(x, y)
-
-
-class _Reached(Exception):
-    pass
-
-
-def test_nemotron_numpy_arguments_reach_the_engine_as_python_values(monkeypatch):
-    """What reaches the engine (the program's key and its traced arguments) is the same
-    for NumPy and Python scalars, and made of Python values, so it is one program."""
-    seen = []
-
-    def run(model, params, ids, **kw):
-        seen.append((np.asarray(ids).tolist(), kw))
-        raise _Reached
-
-    monkeypatch.setattr(engine, "run", run)
-    py = dict(schedule="packed", block_size=4, max_new_tokens=6, cache_size=32, seed=3,
-              eos_id=1, temperature=0.5, top_k=3, top_p=0.75)
-    npy = dict(py, block_size=np.int64(4), max_new_tokens=np.int32(6), cache_size=np.int64(32),
-               seed=np.uint32(3), eos_id=np.int32(1), temperature=np.float32(0.5),
-               top_k=np.int32(3), top_p=np.float64(0.75))
-    for prompt, kw in ((PROMPT, py), (np.asarray(PROMPT, np.int32), npy)):
-        with pytest.raises(_Reached):
-            ps.decode(NEMOTRON, prompt, **kw)
-    assert seen[0] == seen[1]
-    kw = seen[1][1]
-    assert all(type(kw[k]) is int for k in ("block_size", "max_new", "eos_id", "capacity", "seed"))
-    s = kw["sampler"]
+@pytest.mark.parametrize("family", ["nemotron", "setdlm"])
+def test_numpy_arguments_prepare_the_same_request(family):
+    """The program (the compile-cache key) and the traced arguments do not depend on
+    NumPy vs Python scalars, and are made of Python values, so it is one program."""
+    model = {"nemotron": NEMOTRON, "setdlm": SETDLM}[family]
+    width = {"nemotron": 4, "setdlm": 3}[family]
+    py = dict(schedule="packed", width=width, max_new_tokens=5, eos_id=1, cache_size=32,
+              seed=3, temperature=0.5, top_k=3, top_p=0.75)
+    npy = dict(py, width=np.int64(width), max_new_tokens=np.int32(5), eos_id=np.int64(1),
+               cache_size=np.int32(32), seed=np.uint32(3), temperature=np.float32(0.5),
+               top_k=np.int64(3), top_p=np.float32(0.75))
+    if family == "setdlm":
+        py["stop_sequences"] = [[2, 3], 4]
+        npy["stop_sequences"] = [np.array([2, 3], np.int32), np.int64(4)]
+    fam = families.of(model.config)
+    a = engine.prepare(model, fam, PROMPT, **py)
+    b = engine.prepare(model, fam, np.asarray(PROMPT, np.int64), **npy)
+    assert a.program == b.program and hash(a.program) == hash(b.program)
+    p = b.program
+    assert all(type(v) is int for v in (p.width, p.bucket, p.capacity, b.seed, b.max_new))
+    s = p.sampler
     assert (type(s.temperature), type(s.top_k), type(s.top_p)) == (float, int, float)
+    np.testing.assert_array_equal(a.prompt, b.prompt)
+    for name in a.limits:
+        np.testing.assert_array_equal(a.limits[name], b.limits[name])

@@ -18,7 +18,7 @@ import pytest
 from scipy import stats
 
 import packed_ss_jax as ps
-from packed_ss_jax import engine, sampling
+from packed_ss_jax import engine, families, sampling
 from packed_ss_jax.sampling import Sampler
 from tiny import tiny_model
 
@@ -83,10 +83,11 @@ def draw(schedule, s: Sampler, eos=None, seed0=SEED0):
 
 
 def _draw(schedule, s: Sampler, eos, seed0):
-    toks, n, nfe = engine.run_many(MODEL, MODEL.params, np.array(PROMPT, np.int32),
-                                   seed0 + np.arange(N), schedule=schedule,
-                                   block_size=1 if schedule == "ar" else B, max_new=L,
-                                   eos_id=eos, capacity=CAPACITY, sampler=s)
+    family = families.of(MODEL.config)
+    request = engine.prepare(MODEL, family, PROMPT, schedule=schedule, width=B, max_new_tokens=L,
+                             eos_id=eos, cache_size=CAPACITY, temperature=s.temperature,
+                             top_k=s.top_k, top_p=s.top_p)
+    toks, n, nfe = engine.run_many(MODEL, family, request, seed0 + np.arange(N))
     return [tuple(row[:k]) for row, k in zip(toks, n)]
 
 

@@ -117,14 +117,14 @@ def test_native_step_layout_reproduces_the_fixture(copy, setdlm_ref):
     c_tok[:n_clean] = r["step_tokens"][:n_clean]
     c_out = np.array([0, 1, -1, -1], np.int32)
     w = _full_window([2, 3, 4, 5])
-    call = layouts.step(P, jnp.asarray(c_tok), jnp.asarray(c_out), n_clean, w, MASK)
+    call = layouts.native(P, jnp.asarray(c_tok), jnp.asarray(c_out), n_clean, w, MASK)
     live = np.r_[0:n_clean, W:2 * W]  # the padding clean slots are rows 2, 3
     np.testing.assert_array_equal(np.asarray(call.tokens)[live], r["step_tokens"])
     np.testing.assert_array_equal(np.asarray(call.positions)[live], r["step_positions"])
     np.testing.assert_array_equal(np.asarray(call.mask)[np.ix_(live, live)], r["step_mask"][:, P:])
     check(_run(model, call, cache, P)[live], r["step_logits"], "step_cached")
     # No clean rows: the first window of the decoder (every MASK sees the cache and itself).
-    call = layouts.step(P, jnp.zeros(W, jnp.int32), jnp.full(W, -1), 0,
+    call = layouts.native(P, jnp.zeros(W, jnp.int32), jnp.full(W, -1), 0,
                         _full_window([0, 1, 2, 3]), MASK)
     np.testing.assert_array_equal(np.asarray(call.mask)[W:, W:], r["window_mask"][:, P:])
     check(_run(model, call, cache, P)[W:], r["window_logits"], "window_cached")
@@ -180,7 +180,7 @@ def test_linear_and_native_masks_by_hand():
     verify = layouts.verify(4, w, jnp.array([6, 7]), MASK)
     np.testing.assert_array_equal(verify.mask, _bool(["1000", "1100", "0010", "1001"]))
     w3 = _full_window([2, 3, 4])
-    step = layouts.step(4, jnp.array([6, 7, 0]), jnp.array([0, 1, -1]), 2, w3, MASK)
+    step = layouts.native(4, jnp.array([6, 7, 0]), jnp.array([0, 1, -1]), 2, w3, MASK)
     #                                   C0 C1 C2 Q0 Q1 Q2
     np.testing.assert_array_equal(step.mask, _bool(["1  0  0  0  0  0",
                                                     "1  1  0  0  0  0",

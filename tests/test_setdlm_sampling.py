@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 
 import packed_ss_jax as ps
-from packed_ss_jax import Model, ModelConfig, engine, sampling
+from packed_ss_jax import Model, ModelConfig, engine, families, sampling
 from packed_ss_jax.sampling import Sampler
-from packed_ss_jax.setdlm.decode import run_many
 from setdlm_reference import serial_ltr
 from test_sampling import ALPHA, chi_square, np_target, tv_shift_rejections
 from tiny import _params
@@ -68,9 +67,11 @@ def exact_law(s: Sampler, eos=None):
 
 
 def draw(schedule, s: Sampler, eos=None):
-    tok, E = run_many(MODEL, PROMPT, SEED0 + np.arange(N), schedule=schedule, window=W,
-                      max_new_tokens=L, eos_id=eos, cache_size=CAPACITY,
-                      temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+    family = families.of(MODEL.config)
+    request = engine.prepare(MODEL, family, PROMPT, schedule=schedule, width=W,
+                             max_new_tokens=L, eos_id=eos, cache_size=CAPACITY,
+                             temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+    tok, E, _ = engine.run_many(MODEL, family, request, SEED0 + np.arange(N))
     return [tuple(row[:k]) for row, k in zip(tok.tolist(), E.tolist())]
 
 

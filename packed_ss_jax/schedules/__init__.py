@@ -1,4 +1,14 @@
-"""One pure `step(state) -> state` per schedule, plus how each starts."""
+"""The Nemotron-Labs-Diffusion schedules: one pure `step(state) -> state` each, how
+each starts, and the decode program that runs them.
+
+`build(m, program)` returns the pure function the driver (engine.py) compiles:
+`run(params, prompt, n, limits, key) -> outcome`, the first call followed by
+`lax.while_loop` over the schedule's step. The prompt length and the limits (length
+limit, EOS id) are traced, so they never recompile.
+"""
+
+import jax
+import numpy as np
 
 from . import ar, linear, packed, quadratic
 from .prefill import first_call, prefill
@@ -11,3 +21,24 @@ SCHEDULES = {
     "quadratic": (first_call, quadratic.step),
     "packed": (first_call, packed.step),
 }
+
+
+def build(m, p):
+    """The pure decode function of one program; `p.width` is the block size B (1 for AR)."""
+    init, step = SCHEDULES[p.schedule]
+    B, sampler = p.width, p.sampler
+
+    def run(params, prompt, n, limits, key):
+        s = init(m, params, prompt, n, B=B, capacity=p.capacity, max_new=limits["max_new"],
+                 eos_id=limits["eos_id"], sampler=sampler, key=key)
+        s = jax.lax.while_loop(lambda s: ~s.done,
+                               lambda s: step(m, params, s, B=B, sampler=sampler), s)
+        return dict(tokens=s.out, n_tokens=s.n_out, nfe=s.nfe, iterations=s.iterations,
+                    accept_hist=s.hist, nonfinite_at=s.nonfinite_at)
+
+    return run
+
+
+def limits(max_new: int, eos_id: int | None) -> dict:
+    """The traced limits: the length limit and the EOS id (-1: no EOS stop)."""
+    return {"max_new": np.int32(max_new), "eos_id": np.int32(-1 if eos_id is None else eos_id)}

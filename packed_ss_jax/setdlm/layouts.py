@@ -106,7 +106,7 @@ def verify(n, w: Window, drafts, mask_id: int) -> Call:
     return _call(tokens, jnp.concatenate([pos, pos]), mask)
 
 
-def step(n, c_tok, c_out, c_n, w: Window, mask_id: int) -> Call:
+def native(n, c_tok, c_out, c_n, w: Window, mask_id: int) -> Call:
     """Native decoder step `[C | Q]`, 2W rows (p + u used): the tokens committed last
     step as clean rows, causal in feeding order, then the window's MASK queries, each
     seeing every new clean row and itself (the release's inference step)."""

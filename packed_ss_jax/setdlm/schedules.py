@@ -1,22 +1,42 @@
-"""One pure `step(state) -> state` per SetDLM schedule (App. C, D.2, E.6).
+"""One pure `step(state) -> state` per SetDLM schedule (App. C, D.2, E.6; Section 3.2).
 
-Greedy everywhere: predictions are argmax with the MASK logit excluded. Each step is
-one iteration of Algorithm 3 (or of the release's decoder for "native"):
+Each step is one iteration of Algorithm 3 (or of the release's decoder for "native"):
 choose U_t and its order, make the call(s), accept, commit the clean rows, keep the
 correction for the next call's N row, store the next draft, apply the stop rule.
 
 serial     one query per call `[N | M]`: the serial one-token-at-a-time reference.
 native     the release's threshold decoder: commit the most confident proposal and
-           every proposal with probability >= 0.9; they are fed next call.
+           every proposal with probability >= 0.9; they are fed next call (greedy only).
 linear     draft `[N | R]` from the newest prefix, then verify `[O | M]` (2 NFE).
 quadratic  `[N | O | M | branches]`: verify and draft every acceptance outcome (1 NFE).
 packed     `[N | O | M | R]`: verify D_{t-1} and draft from P_{t-1} in one call.
+
+Greedy (temperature 0): predictions are argmax with the MASK logit excluded, a draft is
+accepted when it equals the verifier's argmax, in the window's order (LTR or confidence).
+
+Sampling (temperature > 0, LTR order): the target at an output position is the tempered,
+truncated SetDLM AR conditional with MASK excluded (the M query at that position seeing
+the committed prefix and the earlier-rank drafts); serial ancestral sampling from it is
+the reference law. Each draft is drawn from the drafter's Q at its R query (Quadratic-SS:
+the branch matching the accepted prefix) and its Q is stored with it: Packed-SS and
+Quadratic-SS verify a draft one call after drafting it, against the Q it was drawn from,
+with Algorithm 2 (accept with probability min(1, p(d)/Q(d)), the first rejection draws
+from normalised [p - Q]_+). When every stored draft is accepted, the next unresolved rank
+of the window (if any) is drawn from p, its M query seeing all the accepted drafts, as
+the greedy steps take its argmax; a window with no further rank ends the iteration
+without a correction, and the next position is drawn in the next call. Fresh keys are
+split from the key carried in the state every step, so a seed reproduces a run. The
+confidence order is greedy only: with sampling it would make the verification order
+depend on the drafts.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
+from .. import sampling
+from ..sampling import Sampler, StoredQ
 from . import layouts
 from .state import (State, accept, commit, finish, first_ranks, matches, predict, run_call,
                     set_pending, store_drafts, window)
@@ -26,6 +46,49 @@ THRESHOLD = 0.9  # the release's confidence threshold (E.6 "Native baseline")
 
 def _n(s: State):
     return s.pend_tok[0], s.pend_out[0], s.pend_n
+
+
+def _split(s: State, n: int, sampler: Sampler):
+    """n fresh keys for this step (None when greedy) and the state with the key advanced."""
+    if sampler.greedy:
+        return s, [None] * n
+    keys = jax.random.split(s.key, n + 1)
+    return s.replace(key=keys[0]), list(keys[1:])
+
+
+def target(logits, sampler: Sampler, mask_id: int):
+    """The verifier's tempered, truncated log-distribution [..., V], MASK excluded."""
+    return sampling.target(logits.at[..., mask_id].set(-jnp.inf), sampler)
+
+
+def _propose(logits, sampler: Sampler, mask_id: int, key):
+    """Draft tokens, the probability each carries (its confidence score: the argmax's
+    probability, or Q(d)), and Q (None when greedy)."""
+    if sampler.greedy:
+        z, prob = predict(logits, mask_id)
+        return z, prob, None
+    q = sampling.proposal(logits, sampler, mask_id)
+    z = q.sample(key)
+    return z, jnp.exp(q.of(z)), q
+
+
+def _stored_q(s: State, w) -> StoredQ:
+    """The stored Q of each rank of window `w`, looked up by output index."""
+    row = jnp.argmax(s.q_out[None, :] == w.out[:, None], axis=1)
+    return StoredQ(s.q.logp[row], None if s.q.ids is None else s.q.ids[row])
+
+
+def _verify(m, logits, drafts, draft_len, q: StoredQ | None, w, sampler: Sampler, key):
+    """h and v: the drafts accepted in rank order and, per rank, the verifier's token
+    (v[h] is the correction, or the next rank's token when all were accepted).
+    Greedy: drafts equal to the argmax (Eq. 2). Sampling: Algorithm 2 against `q`."""
+    if sampler.greedy:
+        v, _ = predict(logits, m.mask_id)
+        return matches(w, drafts, v), v
+    logp = target(logits, sampler, m.mask_id)
+    padded = jnp.concatenate([logp, logp[-1:]])  # rank W has no query: never used
+    h, C = sampling.verify(key, padded, drafts, draft_len, q)
+    return h, C[: drafts.shape[0]]
 
 
 def _verified(s: State, w, v, h, kv, p, A):
@@ -41,65 +104,83 @@ def _verified(s: State, w, v, h, kv, p, A):
                        has_correction.astype(jnp.int32))
 
 
-def packed(m, params, s: State, *, W: int, order: str) -> State:
+def _store(s: State, w, z, score, q: StoredQ | None, A) -> State:
+    """Keeps the proposals for the ranks after the accepted ones (and, when sampling,
+    the Q they were drawn from, by output index)."""
+    s = store_drafts(s, w, z, score, from_rank=A)
+    if q is None:
+        return s
+    return s.replace(q=q, q_out=jnp.where(w.active, w.out, -1))
+
+
+def _one_call(m, params, s: State, W: int, order: str, sampler: Sampler, layout,
+              proposal_rows: int):
+    """A one-call step (Packed, Quadratic): the call over `[N | O | M | drafting rows]`;
+    its M rows verify the stored drafts. Returns the state, window, p, the call's logits
+    (M rows, then the drafting rows), kv, h, v and the key left for the next drafts."""
+    s, (k_verify, k_draft) = _split(s, 2, sampler)
     w = window(s, W, order, use_drafts=True)
     n_tok, n_out, p = _n(s)
     drafts = s.draft[w.out]
-    call = layouts.packed(s.n, n_tok, n_out, p, w, drafts, m.mask_id)
-    logits, kv = run_call(m, params, call, s, 1 + W + jnp.arange(2 * W))  # M then R rows
-    v, _ = predict(logits[:W], m.mask_id)
-    z, z_prob = predict(logits[W:], m.mask_id)
-    h = matches(w, drafts, v)
+    call = layout(s.n, n_tok, n_out, p, w, drafts, m.mask_id)
+    logits, kv = run_call(m, params, call, s, 1 + W + jnp.arange(W + proposal_rows))
+    q = None if sampler.greedy else _stored_q(s, w)
+    h, v = _verify(m, logits[:W], drafts, w.kappa, q, w, sampler, k_verify)
+    return s, w, p, logits, kv, h, v, k_draft
+
+
+def packed(m, params, s: State, *, W: int, order: str, sampler: Sampler) -> State:
+    s, w, p, logits, kv, h, v, k_draft = _one_call(m, params, s, W, order, sampler,
+                                                   layouts.packed, W)  # M then R
+    z, score, q = _propose(logits[W:], sampler, m.mask_id, k_draft)  # from P_{t-1}
     A = jnp.minimum(h + 1, w.u)
     s = _verified(s, w, v, h, kv, p, A)
-    s = store_drafts(s, w, z, z_prob, from_rank=A)
+    s = _store(s, w, z, score, q, A)
     rows = p + 3 * w.u
     return finish(s, w, first_ranks(w, A), A, 1, rows, rows, verifier=logits[:W],
                   drafter=logits[W:])
 
 
-def quadratic(m, params, s: State, *, W: int, order: str) -> State:
-    w = window(s, W, order, use_drafts=True)
-    n_tok, n_out, p = _n(s)
-    drafts = s.draft[w.out]
-    call = layouts.quadratic(s.n, n_tok, n_out, p, w, drafts, m.mask_id)
-    logits, kv = run_call(m, params, call, s, 1 + W + jnp.arange(W + W * W))  # M, branches
-    v, _ = predict(logits[:W], m.mask_id)
-    h = matches(w, drafts, v)
+def quadratic(m, params, s: State, *, W: int, order: str, sampler: Sampler) -> State:
+    s, w, p, logits, kv, h, v, k_draft = _one_call(m, params, s, W, order, sampler,
+                                                   layouts.quadratic, W * W)  # M, branches
     A = jnp.minimum(h + 1, w.u)
-    # Branch h drafted the ranks after the correction given the h accepted drafts.
+    # Branch h drafted the ranks after the correction given the h accepted drafts; the
+    # next drafts come from it alone.
     branch = logits[W:].reshape(W, W, -1)[jnp.minimum(h, W - 1)]
-    z, z_prob = predict(branch, m.mask_id)
+    z, score, q = _propose(branch, sampler, m.mask_id, k_draft)
     s = _verified(s, w, v, h, kv, p, A)
-    s = store_drafts(s, w, z, z_prob, from_rank=A)
+    s = _store(s, w, z, score, q, A)
     rows = p + 2 * w.u + w.u * w.u
     return finish(s, w, first_ranks(w, A), A, 1, rows, rows, verifier=logits[:W], drafter=branch)
 
 
-def linear(m, params, s: State, *, W: int, order: str) -> State:
+def linear(m, params, s: State, *, W: int, order: str, sampler: Sampler) -> State:
+    s, (k_verify, k_draft) = _split(s, 2, sampler)
     # The order is fixed before the drafting call, from last iteration's verifier scores.
     w = window(s, W, order, use_drafts=False)
     n_tok, n_out, p = _n(s)
     d_logits, kv = run_call(m, params, layouts.draft(s.n, n_tok, n_out, p, w, m.mask_id), s,
                             1 + jnp.arange(W))
-    z, _ = predict(d_logits, m.mask_id)
+    z, _, q = _propose(d_logits, sampler, m.mask_id, k_draft)  # from the newest prefix
     s = commit(s, kv, jnp.zeros(1, jnp.int32), s.pend_out[:1], p, after=z)  # N, cached now
     logits, kv = run_call(m, params, layouts.verify(s.n, w, z, m.mask_id), s, W + jnp.arange(W))
-    v, v_prob = predict(logits, m.mask_id)
-    h = matches(w, z, v)
+    h, v = _verify(m, logits, z, w.u, q, w, sampler, k_verify)
     A = jnp.minimum(h + 1, w.u)
     s = accept(s, w, v, first_ranks(w, A))
     s = commit(s, kv, jnp.arange(W), w.out, h)
     s = set_pending(s, v[jnp.minimum(h, W - 1)][None], w.out[jnp.minimum(h, W - 1)][None],
                     (h < w.u).astype(jnp.int32))
-    s = store_drafts(s, w, v, v_prob, from_rank=A)  # scores for the next order (E.6)
+    if sampler.greedy:  # the verifier's confidences order the next window (E.6)
+        _, v_prob = predict(logits, m.mask_id)
+        s = store_drafts(s, w, v, v_prob, from_rank=A)
     return finish(s, w, first_ranks(w, A), A, 2, p + 3 * w.u, jnp.maximum(p + w.u, 2 * w.u),
                   verifier=logits, drafter=d_logits)
 
 
-def native(m, params, s: State, *, W: int, order: str) -> State:
+def native(m, params, s: State, *, W: int, order: str, sampler: Sampler) -> State:
     w = window(s, W, "ltr", use_drafts=False)
-    call = layouts.step(s.n, s.pend_tok, s.pend_out, s.pend_n, w, m.mask_id)
+    call = layouts.native(s.n, s.pend_tok, s.pend_out, s.pend_n, w, m.mask_id)
     logits, kv = run_call(m, params, call, s, W + jnp.arange(W))
     p = s.pend_n
     x, conf = predict(logits, m.mask_id)
@@ -107,19 +188,24 @@ def native(m, params, s: State, *, W: int, order: str) -> State:
     conf = jnp.where(w.active, conf, -1.0)
     take = w.active & ((conf >= THRESHOLD) | (jnp.arange(W) == jnp.argmax(conf)))
     s = accept(s, w, x, take)
-    order_ = jnp.argsort(~take, stable=True)  # fed next call in textual order
+    fed = jnp.argsort(~take, stable=True)  # fed next call in textual order
     A = jnp.sum(take).astype(jnp.int32)
-    s = set_pending(s, x[order_], w.out[order_], A)
+    s = set_pending(s, x[fed], w.out[fed], A)
     rows = p + w.u
     return finish(s, w, take, A, 1, rows, rows, verifier=logits)
 
 
-def serial(m, params, s: State, *, W: int, order: str) -> State:
+def serial(m, params, s: State, *, W: int, order: str, sampler: Sampler) -> State:
+    """One token per call: the reference (greedy argmax, or plain ancestral sampling)."""
+    s, (k,) = _split(s, 1, sampler)
     w = window(s, 1, "ltr", use_drafts=False)
     n_tok, n_out, p = _n(s)
     logits, kv = run_call(m, params, layouts.serial(s.n, n_tok, n_out, p, w, m.mask_id), s,
                           jnp.ones(1, jnp.int32))
-    v, _ = predict(logits, m.mask_id)
+    if sampler.greedy:
+        v, _ = predict(logits, m.mask_id)
+    else:
+        v = sampling.sample_from(k, target(logits[0], sampler, m.mask_id))[None]
     s = commit(s, kv, jnp.zeros(1, jnp.int32), s.pend_out[:1], p, after=v)
     take = first_ranks(w, 1)
     s = accept(s, w, v, take)
@@ -129,3 +215,5 @@ def serial(m, params, s: State, *, W: int, order: str) -> State:
 
 SCHEDULES = {"serial": serial, "native": native, "linear": linear, "quadratic": quadratic,
              "packed": packed}
+# Schedules that sample (temperature > 0); "native" is the release's greedy decoder.
+SAMPLED = ("serial", "linear", "quadratic", "packed")

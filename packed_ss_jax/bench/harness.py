@@ -1,12 +1,15 @@
 """`packed-ss bench`: the paper's measurements for chosen schedules on one task.
 
-Batch size 1, one prompt at a time (optionally several times, keeping the fastest).
+Either family: Nemotron-Labs-Diffusion schedules take block sizes (`--block-size`), SetDLM
+schedules windows (`--window`, and `--order`), as the family table says; the default
+schedules are all of the model's family. Batch size 1, one prompt at a time (optionally
+several times, keeping the fastest).
 Per schedule: tokens (total, mean), decoder wall time, NFE, tokens/NFE, time/NFE,
 throughput (total tokens / total wall), the split of wall time into model execution and
 non-model decoder work, the accepted-length histogram and task accuracy. Packed-SS is
 compared with each baseline by paired bootstrap intervals over prompts (same resampled
 indices for every method). Compilation is excluded: every program is compiled before
-it is timed (AOT), and each schedule is warmed up on the first prompt. Block sizes are
+it is timed (AOT), and each schedule is warmed up on the first prompt. Widths are
 given, or chosen per schedule by the paper's throughput probe on the first prompts
 (App. F.1).
 """
@@ -21,52 +24,51 @@ from pathlib import Path
 
 import numpy as np
 
-from packed_ss_jax import cli
-from packed_ss_jax.cli import Parser, UsageError, run_command
-
+from .. import api, engine, families
+from ..arguments import (Parser, UsageError, int_at_least, load_model, model_args, run_command,
+                         seed as seed_arg, temperature as temperature_arg)
 from . import stats, tasks, timing
 
-SCHEDULES = ("ar", "linear", "quadratic", "packed")
 
-
-def _size(text: str, spec: str) -> int:
+def _size(text: str, spec: str, flag: str, minimum: int) -> int:
     text = text.strip()
-    if not text.isdigit() or int(text) < 2:
-        raise ValueError(f"--block-size: block sizes must be integers >= 2, got {spec!r}")
+    if not text.isdigit() or int(text) < minimum:
+        raise ValueError(f"{flag}: sizes must be integers >= {minimum}, got {spec!r}")
     return int(text)
 
 
-def parse_block_sizes(spec: str | None, schedules) -> dict[str, int | None]:
-    """'16' for all, or 'packed=32,linear=32,quadratic=8'; every size an integer >= 2."""
+def parse_widths(spec: str | None, schedules, flag: str = "--block-size",
+                 minimum: int = 2) -> dict[str, int | None]:
+    """'16' for all, or 'packed=32,linear=32,quadratic=8'; every size an integer >= minimum."""
     out = {s: None for s in schedules}
     if not spec:
         return out
     if "=" not in spec:
-        size = _size(spec, spec)
+        size = _size(spec, spec, flag, minimum)
         return {s: size for s in schedules}
     for part in filter(None, (x.strip() for x in spec.split(","))):
         name, eq, value = (x.strip() for x in part.partition("="))
         if not eq:
-            raise ValueError(f"--block-size: {part!r} is not SCHEDULE=SIZE (in {spec!r})")
+            raise ValueError(f"{flag}: {part!r} is not SCHEDULE=SIZE (in {spec!r})")
         if name not in out:
-            raise ValueError(f"--block-size names {name!r}, which is not among --schedules")
-        out[name] = _size(value, spec)
+            raise ValueError(f"{flag} names {name!r}, which is not among --schedules")
+        out[name] = _size(value, spec, flag, minimum)
     return out
 
 
-def parse_probe(spec: str) -> list[int]:
-    """'4,8,16' -> [4, 8, 16]; every size an integer >= 2."""
+def parse_probe(spec: str, minimum: int = 2) -> list[int]:
+    """'4,8,16' -> [4, 8, 16]; every size an integer >= minimum."""
     parts = [x.strip() for x in spec.split(",") if x.strip()]
-    if not parts or not all(x.isdigit() and int(x) >= 2 for x in parts):
-        raise ValueError(f"--probe: block sizes must be integers >= 2, got {spec!r}")
+    if not parts or not all(x.isdigit() and int(x) >= minimum for x in parts):
+        raise ValueError(f"--probe: sizes must be integers >= {minimum}, got {spec!r}")
     return list(dict.fromkeys(int(x) for x in parts))
 
 
 SPLITS = ("null", "doubled")
 
 
-def run(model, prompts, schedules, block_sizes, *, capacity: int, temperature=0.0, seed=0,
-        max_new_tokens=None, repeats=1, split="null", progress=True) -> dict:
+def run(model, prompts, schedules, widths, *, capacity: int, temperature=0.0, seed=0,
+        max_new_tokens=None, repeats=1, split="null", order="ltr", progress=True) -> dict:
     """Per schedule, per prompt: tokens, wall, NFE, model time, correctness.
 
     With `repeats` > 1 every prompt is decoded that many times by every schedule, in
@@ -77,8 +79,6 @@ def run(model, prompts, schedules, block_sizes, *, capacity: int, temperature=0.
     scaled to the real iteration count, is the non-model work) or by one that does every
     forward pass twice (`split="doubled"`: the extra wall time is the model's).
     """
-    import packed_ss_jax as ps
-
     if not prompts:
         raise ValueError("no prompts to run")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -89,9 +89,12 @@ def run(model, prompts, schedules, block_sizes, *, capacity: int, temperature=0.
         raise ValueError(f"split must be one of {SPLITS} or None, got {split!r}")
     other = timing.Null(model) if split == "null" else timing.Doubled(model)
 
+    family = families.of(model.config)
+
     def one(s, p, i, m=model):
-        B = block_sizes[s] or model.config.block_size
-        return ps.decode(m, p.text, schedule=s, block_size=B,
+        width = widths[s] or model.config.block_size
+        return api.decode(m, p.text, schedule=s, **{family.width_name: width},
+                         order=family.orders[0] if s in family.orderless else order,
                          max_new_tokens=max_new_tokens or p.max_new_tokens,
                          eos_id=-1 if p.stop_at_eos else None, temperature=temperature,
                          seed=seed + i, cache_size=capacity)
@@ -138,36 +141,38 @@ PROBE_PROMPTS = 10  # App. F.1: the first ten questions of the task
 
 
 def probe(model, prompts, schedules, sizes, fixed, *, progress=True, **kw) -> tuple[dict, list]:
-    """App. F.1's block-size probe: every speculative schedule whose B is not `fixed`
+    """App. F.1's block-size probe: every speculative schedule whose width is not `fixed`
     decodes the first PROBE_PROMPTS prompts at each size in `sizes` (with the run's cache
     size and repeats, so it times the programs the run will use); the size with the
-    highest throughput (tokens / wall) is chosen. Returns ({schedule: B}, table rows)."""
+    highest throughput (tokens / wall) is chosen. Returns ({schedule: width}, table rows)."""
     chosen, rows = dict(fixed), []
+    reference = families.of(model.config).reference
     for s in schedules:
-        if s == "ar" or fixed.get(s):
+        if s == reference or fixed.get(s):
             continue
         best = None
         for B in sizes:
             d = run(model, prompts[:PROBE_PROMPTS], [s], {s: B}, split=None,
                     progress=False, **kw)[s]
             tok, wall, nfe = sum(d["tokens"]), sum(d["wall_s"]), sum(d["nfe"])
-            rows.append({"schedule": s, "block_size": B, "tokens": tok, "wall_s": wall,
+            rows.append({"schedule": s, "width": B, "tokens": tok, "wall_s": wall,
                          "nfe": nfe, "tokens_per_nfe": tok / nfe, "throughput_tok_s": tok / wall})
             if best is None or tok / wall > best[1]:
                 best = (B, tok / wall)
             if progress:
-                sys.stderr.write(f"probe {s} B={B}: {tok / wall:.1f} tok/s, "
+                sys.stderr.write(f"probe {s} {B}: {tok / wall:.1f} tok/s, "
                                  f"{tok / nfe:.2f} tok/NFE\n")
         chosen[s] = best[0]
     return chosen, rows
 
 
-def probe_markdown(rows: list, chosen: dict) -> str:
+def probe_markdown(rows: list, chosen: dict, width_label: str = "B") -> str:
     out = [f"block-size probe (first {PROBE_PROMPTS} prompts; App. F.1):",
-           "| schedule | B | tokens/NFE | throughput (tok/s) | chosen |", "|---|---|---|---|---|"]
+           f"| schedule | {width_label} | tokens/NFE | throughput (tok/s) | chosen |",
+           "|---|---|---|---|---|"]
     for r in rows:
-        mark = "yes" if chosen.get(r["schedule"]) == r["block_size"] else ""
-        out.append(f"| {r['schedule']} | {r['block_size']} | {r['tokens_per_nfe']:.2f} | "
+        mark = "yes" if chosen.get(r["schedule"]) == r["width"] else ""
+        out.append(f"| {r['schedule']} | {r['width']} | {r['tokens_per_nfe']:.2f} | "
                    f"{r['throughput_tok_s']:.1f} | {mark} |")
     return "\n".join(out)
 
@@ -185,17 +190,18 @@ def cache_size_for(model, prompts, max_new_tokens=None) -> int:
     return size
 
 
-def summarize(model_name: str, task: str, per: dict, block_sizes, config_block: int,
-              resamples: int = stats.RESAMPLES) -> dict:
+def summarize(model_name: str, task: str, per: dict, widths, config_width: int,
+              resamples: int = stats.RESAMPLES, family: str = "nemotron") -> dict:
     if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 1:
         raise ValueError(f"resamples must be an integer >= 1, got {resamples!r}")
     n = len(next(iter(per.values()))["tokens"])
+    fam = families.FAMILIES[family]
     results = {}
     for s, d in per.items():
         tokens, wall, nfe = (np.asarray(d[k], float) for k in ("tokens", "wall_s", "nfe"))
         model_s = float(np.sum(d["model_s"]))
         results[s] = {
-            "block_size": None if s == "ar" else (block_sizes[s] or config_block),
+            fam.width_name: None if s == fam.reference else (widths[s] or config_width),
             "tokens": int(tokens.sum()), "mean_tokens": float(tokens.mean()),
             "wall_s": float(wall.sum()), "nfe": int(nfe.sum()),
             "tokens_per_nfe": float(tokens.sum() / nfe.sum()),
@@ -215,7 +221,8 @@ def summarize(model_name: str, task: str, per: dict, block_sizes, config_block: 
                 paired[f"packed_vs_{s}"] = stats.paired(per["packed"], per[s], idx)
     if "linear" in per:
         figure3 = {s: stats.ratio_to(per[s], per["linear"], idx) for s in per}
-    return {"model": model_name, "task": task, "n_prompts": n, "results": results,
+    return {"model": model_name, "family": family, "width_name": fam.width_name, "task": task,
+            "n_prompts": n, "results": results,
             "paired": paired, "ratios_to_linear": figure3, "bootstrap_resamples": resamples,
             "warmup": "each schedule decoded the first prompt once before timing; "
                       "compilation is ahead of time and never inside wall_s",
@@ -224,12 +231,14 @@ def summarize(model_name: str, task: str, per: dict, block_sizes, config_block: 
 
 
 def markdown(summary: dict) -> str:
-    rows = ["| schedule | B | tokens | mean tokens | wall (s) | NFE | tokens/NFE | time/NFE (ms) "
-            "| throughput (tok/s) | non-model time | accuracy |",
+    family = families.FAMILIES[summary.get("family", "nemotron")]
+    width_name, label = family.width_name, family.width_symbol
+    rows = [f"| schedule | {label} | tokens | mean tokens | wall (s) | NFE | tokens/NFE "
+            "| time/NFE (ms) | throughput (tok/s) | non-model time | accuracy |",
             "|" + "---|" * 11]
     for s, r in summary["results"].items():
         acc = "-" if r["accuracy"] is None else f"{100 * r['accuracy']:.1f}%"
-        rows.append(f"| {s} | {r['block_size'] or '-'} | {r['tokens']} | {r['mean_tokens']:.1f} | "
+        rows.append(f"| {s} | {r[width_name] or '-'} | {r['tokens']} | {r['mean_tokens']:.1f} | "
                     f"{r['wall_s']:.2f} | {r['nfe']} | {r['tokens_per_nfe']:.2f} | "
                     f"{r['time_per_nfe_ms']:.2f} | {r['throughput_tok_s']:.1f} | "
                     f"{100 * r['non_model_fraction']:.1f}% | {acc} |")
@@ -288,28 +297,25 @@ def plot(summary: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def profile(model, prompt, schedules, block_sizes, out_dir: str, max_new: int = 32) -> None:
+def profile(model, prompt, schedules, widths, out_dir: str, max_new: int = 32) -> None:
     """A jax.profiler trace of a few decode iterations per schedule, and each schedule's
     optimised HLO (the whole compiled decode program: first call plus while_loop step)."""
     import jax
 
-    import packed_ss_jax as ps
-    from packed_ss_jax import engine
 
     out = Path(out_dir)
     (out / "hlo").mkdir(parents=True, exist_ok=True)
+    width_name = families.of(model.config).width_name
     for s in schedules:
-        ps.decode(model, prompt, schedule=s, block_size=block_sizes[s], max_new_tokens=max_new)
+        api.decode(model, prompt, schedule=s, **{width_name: widths[s]}, max_new_tokens=max_new)
     with jax.profiler.trace(str(out / "trace")):
         for s in schedules:
             with jax.profiler.TraceAnnotation(f"decode {s}"):
-                ps.decode(model, prompt, schedule=s, block_size=block_sizes[s],
+                api.decode(model, prompt, schedule=s, **{width_name: widths[s]},
                           max_new_tokens=max_new)
-    for key, exe in engine._compiled.items():
-        if not (len(key) == 2 and key[0] == model.key and isinstance(key[1], engine.Program)):
-            continue
-        program = key[1]
-        name = f"{program.schedule}_B{program.block_size}_bucket{program.bucket}.hlo.txt"
+    for program, exe in engine.executables(model.key).items():
+        name = (f"{program.schedule}_{program.order}_w{program.width}_bucket{program.bucket}"
+                ".hlo.txt")
         (out / "hlo" / name).write_text(exe.as_text())
 
 
@@ -363,63 +369,83 @@ def main(argv: list[str] | None = None, prog: str = "packed-ss bench") -> int:
 
 def _main(argv: list[str] | None, prog: str) -> int:
     p = Parser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    model_args(p)
     p.add_argument("--task", default="arithmetic",
                    choices=sorted(tasks.OFFLINE_TASKS) + sorted(tasks.FILE_TASKS),
                    help=f"one of {sorted(tasks.OFFLINE_TASKS) + sorted(tasks.FILE_TASKS)}")
     p.add_argument("--data", help="local task file in its public jsonl format (paper tasks)")
-    p.add_argument("--schedules", default=",".join(SCHEDULES))
-    p.add_argument("--block-size", help="B for all, or per schedule: packed=32,linear=32,quadratic=8")
+    p.add_argument("--schedules", default=None,
+                   help="comma-separated (default: every schedule of the model's family)")
+    p.add_argument("--block-size", help="Nemotron-Labs-Diffusion: B for all, or per schedule: "
+                                        "packed=32,linear=32,quadratic=8")
+    p.add_argument("--window", help="SetDLM: W for all, or per schedule: packed=8,linear=8")
+    p.add_argument("--order", default=None,
+                   help="SetDLM: verification order of the speculative schedules, ltr "
+                        "(default) or confidence")
     p.add_argument("--probe", metavar="SIZES",
-                   help=f"choose each schedule's B as in App. F.1: the highest throughput on the "
-                        f"first {PROBE_PROMPTS} prompts among these sizes, e.g. 4,8,16 (with "
-                        f"--repeats as set; a size given by --block-size wins)")
-    p.add_argument("--repeats", type=cli.int_at_least(1), default=1,
+                   help=f"choose each schedule's width as in App. F.1: the highest throughput "
+                        f"on the first {PROBE_PROMPTS} prompts among these sizes, e.g. 4,8,16 "
+                        f"(with --repeats as set; a size given by --block-size/--window wins)")
+    p.add_argument("--repeats", type=int_at_least(1), default=1,
                    help="decode each prompt this many times per schedule and keep the fastest "
                         "wall time (less timing noise; tokens are identical)")
     p.add_argument("--split", choices=SPLITS, default="null",
                    help="how the model / non-model time split is measured: null (a decode whose "
                         "forward computes nothing) or doubled (every forward done twice)")
-    p.add_argument("--limit", type=cli.int_at_least(1), default=None,
+    p.add_argument("--limit", type=int_at_least(1), default=None,
                    help="first N prompts (offline tasks: 100)")
-    p.add_argument("--max-new-tokens", type=cli.int_at_least(1), default=None,
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=None,
                    help="override the task's output cap")
-    p.add_argument("--temperature", type=cli.temperature, default=0.0)
-    p.add_argument("--seed", type=cli.seed, default=0,
+    p.add_argument("--temperature", type=temperature_arg, default=0.0)
+    p.add_argument("--seed", type=seed_arg, default=0,
                    help="prompt i is decoded with seed + i")
-    p.add_argument("--resamples", type=cli.int_at_least(1), default=stats.RESAMPLES,
+    p.add_argument("--resamples", type=int_at_least(1), default=stats.RESAMPLES,
                    help=f"bootstrap resamples (at least 1; default {stats.RESAMPLES})")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--plot", help="write Figure 3 (ratios to Linear-SS) here (PNG)")
     p.add_argument("--profile", help="write a jax.profiler trace and optimised HLO here")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = p.parse_args(argv)
 
-    # Everything that can be checked without the model, before it is loaded.
-    schedules = list(dict.fromkeys(s.strip() for s in args.schedules.split(",") if s.strip()))
-    bad = [s for s in schedules if s not in SCHEDULES]
-    if bad or not schedules:
-        p.error(f"--schedules: unknown {bad}; choose from {list(SCHEDULES)}" if bad else
-                f"--schedules: none given; choose from {list(SCHEDULES)}")
-    try:
-        block_sizes = parse_block_sizes(args.block_size, schedules)
-        sizes = parse_probe(args.probe) if args.probe else []
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if sizes and all(s == "ar" or block_sizes[s] for s in schedules):
-        raise UsageError("--probe: every schedule's block size is already fixed by "
-                         "--block-size (or only ar is run); nothing to probe")
+    # Everything that can be checked without the model's weights, before they are read:
+    # the command line, the output paths, the task, and the config (for the family).
     if args.data is not None and args.task in tasks.OFFLINE_TASKS:
         raise UsageError(f"--data is for the file tasks {sorted(tasks.FILE_TASKS)}; "
                          f"task {args.task!r} is generated offline")
-    if args.json:
-        check_output_file(args.json, "--json")
-    if args.plot:
-        check_output_file(args.plot, "--plot")
-        check_plot(args.plot, schedules)
+    for flag in ("--json", "--plot"):
+        if getattr(args, flag[2:]):
+            check_output_file(getattr(args, flag[2:]), flag)
     if args.profile:
         check_output_dir(args.profile, "--profile")
     check_distinct({"--json": args.json, "--plot": args.plot, "--profile": args.profile})
+    from .. import loading
+
+    config = loading.read_config(args.model, dtype=args.dtype, base_config=args.base_config)
+    family = families.of(config)
+    names = family.schedules if args.schedules is None else \
+        [s.strip() for s in args.schedules.split(",") if s.strip()]
+    schedules = list(dict.fromkeys(names))
+    bad = [s for s in schedules if s not in family.schedules]
+    if bad or not schedules:
+        raise UsageError(f"--schedules: {'unknown ' + str(bad) if bad else 'none given'}; "
+                         f"{family.title} models decode with {list(family.schedules)}")
+    flag = "--" + family.width_name.replace("_", "-")
+    other = [f for f in ("--block-size", "--window") if f != flag and getattr(args, f[2:].replace("-", "_"))]
+    if other:
+        raise UsageError(f"{other[0]} is for other model families; this {family.title} model "
+                         f"takes {flag}")
+    if args.order is not None and args.order not in family.orders:
+        raise UsageError(f"--order {args.order}: {family.title} models verify in order "
+                         f"{', '.join(family.orders)}")
+    if args.plot:
+        check_plot(args.plot, schedules)
+    try:
+        widths = parse_widths(getattr(args, family.width_name), schedules, flag, family.min_width)
+        sizes = parse_probe(args.probe, family.min_width) if args.probe else []
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if sizes and all(s == family.reference or widths[s] for s in schedules):
+        raise UsageError(f"--probe: every schedule's width is already fixed by {flag} (or only "
+                         f"{family.reference} is run); nothing to probe")
     prompts = tasks.load(args.task, args.data, args.limit)
     if args.seed + len(prompts) - 1 >= 2**32:
         raise UsageError(f"--seed {args.seed}: prompt i is decoded with seed + i, which must "
@@ -429,35 +455,33 @@ def _main(argv: list[str] | None, prog: str) -> int:
                          f"bootstrap indices than fit in memory (at most "
                          f"{MAX_BOOTSTRAP_ENTRIES:,})")
 
-    import packed_ss_jax as ps
-
-    model = ps.load(args.model, dtype=args.dtype) if args.model else ps.load(dtype=args.dtype)
-    if model.config.family != "nemotron":
-        raise UsageError(f"bench decodes with block sizes (Nemotron-Labs-Diffusion); "
-                         f"{args.model} is a {model.config.family} checkpoint")
+    model = load_model(args)
     capacity = cache_size_for(model, prompts, args.max_new_tokens)
-    # Checked before anything is compiled: every block (and probed size) fits the cache.
-    fixed = {s: block_sizes[s] or model.config.block_size for s in schedules
-             if s != "ar" and not (sizes and not block_sizes[s])}  # probed ones: below
-    used = {f"{s} B={B}": B for s, B in fixed.items()}
+    # Checked before anything is compiled: every width (and probed size) fits the cache.
+    fixed = {s: widths[s] or config.block_size for s in schedules
+             if s != family.reference and not (sizes and not widths[s])}  # probed: below
+    used = {f"{s} {flag}={B}": B for s, B in fixed.items()}
     used.update({f"--probe {B}": B for B in sizes})
     too_big = [name for name, B in used.items() if B > capacity]
     if too_big:
-        raise UsageError(f"block sizes larger than the task's cache ({capacity} slots): "
+        raise UsageError(f"widths larger than the task's cache ({capacity} slots): "
                          f"{', '.join(too_big)}")
     name = args.model or "embedded"
+    order = args.order or family.orders[0]
     print(f"{name}: {len(prompts)} {args.task} prompts, schedules {schedules}, "
           f"temperature {args.temperature}", file=sys.stderr)
     kw = dict(temperature=args.temperature, seed=args.seed, max_new_tokens=args.max_new_tokens,
-              repeats=args.repeats, capacity=capacity)
+              repeats=args.repeats, capacity=capacity, order=order)
     probe_rows = []
+    label = family.width_symbol
     if sizes:
-        block_sizes, probe_rows = probe(model, prompts, schedules, sizes, block_sizes, **kw)
-        print(probe_markdown(probe_rows, block_sizes) + "\n")
-    per = run(model, prompts, schedules, block_sizes, split=args.split, **kw)
-    summary = summarize(name, args.task, per, block_sizes, model.config.block_size, args.resamples)
+        widths, probe_rows = probe(model, prompts, schedules, sizes, widths, **kw)
+        print(probe_markdown(probe_rows, widths, label) + "\n")
+    per = run(model, prompts, schedules, widths, split=args.split, **kw)
+    summary = summarize(name, args.task, per, widths, config.block_size, args.resamples,
+                        family=family.name)
     summary.update(temperature=args.temperature, repeats=args.repeats, probe=probe_rows,
-                   time_split=args.split)
+                   time_split=args.split, order=order)
     print(markdown(summary))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
@@ -465,7 +489,7 @@ def _main(argv: list[str] | None, prog: str) -> int:
         plot(summary, args.plot)
     if args.profile:
         profile(model, prompts[0].text, schedules,
-                {s: block_sizes[s] or model.config.block_size for s in schedules}, args.profile)
+                {s: widths[s] or config.block_size for s in schedules}, args.profile)
         print(f"profile written to {args.profile}", file=sys.stderr)
     return 0
 

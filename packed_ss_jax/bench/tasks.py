@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from packed_ss_jax.requests import InputError
+from ..requests import InputError
 
 from . import scoring
 
@@ -165,8 +165,8 @@ def writingbench(path) -> list[Prompt]:
 
 def arithmetic(limit: int) -> list[Prompt]:
     """Held-out grade-school problems of the embedded model's corpus; exact answer."""
-    from packed_ss_jax.training import corpus
-    from packed_ss_jax.training.evaluate import MAX_NEW_ARITH
+    from ..training import corpus
+    from ..training.evaluate import MAX_NEW_ARITH
 
     out = []
     for i, p in enumerate(corpus.arithmetic_test(limit)):
@@ -176,14 +176,14 @@ def arithmetic(limit: int) -> list[Prompt]:
 
 
 def code(limit: int) -> list[Prompt]:
-    from packed_ss_jax.training import corpus
+    from ..training import corpus
 
     return [Prompt(f"code/{i}", t, 64, stop_at_eos=False)
             for i, t in enumerate(corpus.code_prompts(limit))]
 
 
 def prose(limit: int) -> list[Prompt]:
-    from packed_ss_jax.training import corpus
+    from ..training import corpus
 
     return [Prompt(f"prose/{i}", t, 64, stop_at_eos=False)
             for i, t in enumerate(corpus.prose_prompts(limit))]

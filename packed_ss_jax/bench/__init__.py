@@ -1,0 +1,4 @@
+"""`packed-ss bench`: the paper's measurements (tokens, NFE, tokens/NFE, time/NFE,
+throughput, the model / non-model time split, accuracy, paired bootstrap intervals) for
+chosen schedules on one task. `harness` runs and reports, `tasks` loads prompts, `scoring`
+judges answers, `stats` holds the bootstrap, `timing` the model-time split."""
