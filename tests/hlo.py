@@ -1,8 +1,8 @@
 """Reading compiled decode programs: the `lax.while_loop`'s state and what its body makes.
 
 Works on `Compiled.as_text()` (optimised HLO): computations are split at their headers,
-the decode loop is the entry computation's outermost `while`, and its body is that
-computation plus every computation it calls (fusions, nested loops).
+the decode loop is the entry computation's `while` with the largest state, and its body
+is that computation plus every computation it calls (fusions, nested loops).
 """
 
 from __future__ import annotations
@@ -37,11 +37,12 @@ def _entry(hlo: str) -> str:
 
 
 def decode_loop(hlo: str) -> tuple[str, str]:
-    """(the decode loop's `while` instruction, the name of its body computation)."""
+    """(the decode loop's `while` instruction, the name of its body computation): the
+    entry computation's loop with the largest state (it carries the cache)."""
     comps = computations(hlo)
     loops = [line for line in comps[_entry(hlo)] if " while(" in line]
     assert loops, "no while loop in the entry computation"
-    line = loops[-1]
+    line = max(loops, key=lambda x: len(x.split(" while(")[0]))
     return line, re.search(r"body=%([\w.\-]+)", line).group(1)
 
 
