@@ -18,10 +18,12 @@ On the CPU a 16-bit float cache (bf16 models) is stored as its bits, in `uint16`
 buffers (`stored` / `loaded`). XLA's CPU backend computes bf16 data movement in
 float32, so a bf16 write there is convert -> update -> convert over the whole buffer,
 in every layer of every step; a bf16 update between two bitcasts is not done in place
-either. An integer buffer is updated in place, and the attention reads its live part
-back as bf16 (see `model.attend`). GPUs and TPUs move bf16 as it is (XLA's GPU float
-support lists dynamic-update-slice among the ops it runs in bf16) and keep bf16
-buffers, which their dots read directly.
+either. An integer buffer is updated in place. The attention reads it back as bf16
+through a bitcast, which XLA's CPU backend carries out as a copy: `model.attend` reads
+long caches a chunk at a time, so that only the live chunks are copied (a cache
+shorter than `model.LIVE_MIN_SLOTS` is copied whole, per layer and call). GPUs and
+TPUs move bf16 as it is (XLA's GPU float support lists dynamic-update-slice among the
+ops it runs in bf16) and keep bf16 buffers, which their dots read directly.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ WIDENING_BACKENDS = ("cpu",)
 
 
 def widens_16bit() -> bool:
-    """Whether the backend programs are compiled for widens 16-bit float operations."""
+    """Whether the default backend (the one programs are compiled for) widens 16-bit
+    float operations."""
     return jax.default_backend() in WIDENING_BACKENDS
 
 
@@ -54,7 +57,7 @@ def stored(a):
 
 
 def loaded(buf, dtype):
-    """A stored buffer read back as `dtype` values (a bitcast: no data moves)."""
+    """A stored buffer read back as `dtype` values (a bitcast; see the module doc)."""
     dtype = jnp.dtype(dtype)
     if buf.dtype == dtype:
         return buf
