@@ -166,7 +166,7 @@ class Attention(nn.Module):
 #
 # Measured on a 2-core CPU at the embedded model's shape (benchmarks/attention_timing.py):
 # with a 4096-slot cache, calls of 1 to 16 rows ran 2.5-3.6x faster with 300 live slots
-# and 1.05-1.4x slower with 4000 (every chunk is copied out of the buffer before its
+# and 1.05-1.8x slower with 4000 (every chunk is copied out of the buffer before its
 # product); at 264 slots it did not pay at all. It is off on GPUs: an XLA
 # while loop there waits for the host on each trip unless it runs as a CUDA graph, and
 # that would be layers x chunks waits per call, against a full read of a 4096-slot cache
