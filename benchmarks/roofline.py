@@ -100,7 +100,8 @@ def step_cost(shape: str, schedule: str, live: int, prompt: int = 16) -> StepCos
                                   eos_id=-1, sampler=sampler, key=None),
         params, jax.ShapeDtypeStruct((prompt,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
     with full_attention():
-        exe = jax.jit(lambda p, s: step(m, p, s, B=B, sampler=sampler)).lower(params, state).compile()
+        one_step = jax.jit(lambda p, s: step(m, p, s, B=B, sampler=sampler))
+        exe = one_step.lower(params, state).compile()
     cost = exe.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     weights = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
@@ -139,8 +140,8 @@ def main(argv=None) -> int:
     print("|---|---|---|" + "---|" * len(TOKENS_PER_NFE))
     for shape in args.shapes.split(","):
         for dev, (bw, peak) in DEVICES.items():
-            speed = [costs[shape, "linear"].seconds(bw, peak, m) / costs[shape, "packed"].seconds(bw, peak, m)
-                     for m in (False, True)]
+            linear, packed = costs[shape, "linear"], costs[shape, "packed"]
+            speed = [linear.seconds(bw, peak, m) / packed.seconds(bw, peak, m) for m in (False, True)]
             print(f"| {shape} | {dev} | {speed[0]:.3f} / {speed[1]:.3f} | "
                   + " | ".join(f"{r * speed[0]:.3f} / {r * speed[1]:.3f}"
                                for r in TOKENS_PER_NFE.values()) + " |")
