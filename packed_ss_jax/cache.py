@@ -13,6 +13,17 @@ invisible (every row sees slots `< cache_len` only) and are overwritten by the
 next commit. The buffer therefore keeps one block of headroom past the last
 committed slot, since `dynamic_update_slice` clamps a start index that would
 run off the end.
+
+On the CPU a 16-bit float cache (bf16 models) is stored as its bits, in `uint16`
+buffers (`stored` / `loaded`). XLA's CPU backend computes bf16 data movement in
+float32, so a bf16 write there is convert -> update -> convert over the whole buffer,
+in every layer of every step; a bf16 update between two bitcasts is not done in place
+either. An integer buffer is updated in place. The attention reads it back as bf16
+through a bitcast, which XLA's CPU backend carries out as a copy: `model.attend` reads
+long caches a chunk at a time, so that only the live chunks are copied (a cache
+shorter than `model.LIVE_MIN_SLOTS` is copied whole, per layer and call). GPUs and
+TPUs move bf16 as it is (XLA's GPU float support lists dynamic-update-slice among the
+ops it runs in bf16) and keep bf16 buffers, which their dots read directly.
 """
 
 from __future__ import annotations
@@ -21,12 +32,51 @@ import jax
 import jax.numpy as jnp
 
 SLOT_AXIS = 1
+# Backends whose XLA computes most 16-bit float operations in float32 (see module doc).
+WIDENING_BACKENDS = ("cpu",)
+
+
+def widens_16bit() -> bool:
+    """Whether the default backend (the one programs are compiled for) widens 16-bit
+    float operations."""
+    return jax.default_backend() in WIDENING_BACKENDS
+
+
+def storage_dtype(dtype):
+    """The dtype a cache of `dtype` values is stored in (see module doc)."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4 and widens_16bit():
+        return jnp.dtype(f"uint{8 * dtype.itemsize}")
+    return dtype
+
+
+def stored(a):
+    """Values -> their stored form (the bits of a 16-bit float, anything else as it is)."""
+    bits = storage_dtype(a.dtype)
+    return a if bits == a.dtype else jax.lax.bitcast_convert_type(a, bits)
+
+
+def loaded(buf, dtype):
+    """A stored buffer read back as `dtype` values (a bitcast; see the module doc)."""
+    dtype = jnp.dtype(dtype)
+    if buf.dtype == dtype:
+        return buf
+    if storage_dtype(dtype) != buf.dtype:
+        raise TypeError(f"a cache buffer of {buf.dtype} does not hold {dtype} values "
+                        f"(those are stored as {storage_dtype(dtype)})")
+    return jax.lax.bitcast_convert_type(buf, dtype)
+
+
+def empty(shape, dtype):
+    """A zero buffer holding `dtype` values in their stored form."""
+    return jnp.zeros(shape, storage_dtype(dtype))
 
 
 def commit(cache, kv_rows, rows, start, after=None):
     """Writes the kv rows `rows` (on SLOT_AXIS) into cache slots start, start+1, ...
     (a functional update).
 
+    `kv_rows` are the forward's new rows, in the cache's stored form (see module doc).
     `after`: non-negative ints computed from the call's logits (the accepted token ids).
     The write index is made to depend on them (it adds min(after, 0), which is 0), so the
     write waits for every read of the old buffer in this step and XLA does it in place.
@@ -38,8 +88,10 @@ def commit(cache, kv_rows, rows, start, after=None):
     rows = jnp.asarray(rows)
 
     def write(buf, new):
-        picked = jnp.take(new, rows, axis=SLOT_AXIS).astype(buf.dtype)
+        if new.dtype != buf.dtype:
+            raise TypeError(f"kv rows of {new.dtype} cannot be committed to a cache stored "
+                            f"as {buf.dtype}: the forward returns them in the cache's form")
+        picked = jnp.take(new, rows, axis=SLOT_AXIS)
         return jax.lax.dynamic_update_slice_in_dim(buf, picked, start, axis=SLOT_AXIS)
 
     return jax.tree.map(write, cache, kv_rows)
-

@@ -68,6 +68,10 @@ class ModelConfig:
     lora_rank: int = 0
     lora_alpha: float = 0.0
     dtype: str = "float32"
+    # Precision of every matmul (see `model.MATMUL_PRECISIONS`): "default" follows
+    # `jax.default_matmul_precision` (TF32 for float32 operands on GPUs), "highest" gives
+    # full float32 products.
+    matmul_precision: str = "default"
 
     def __post_init__(self):
         self._normalise_types()

@@ -9,8 +9,14 @@ only in the attention mask, so the forward takes the mask as data:
 Every row sees the first `cache_len` cache slots (or, when `cache_len` is a [S] bool
 vector, the slots it marks: SetDLM masks out entries past a stop); among the new rows, `mask`
 (row attends to column) decides. New rows' keys/values are returned, never
-written: the decoder commits the accepted ones (see `cache.py`). RoPE is applied
-before caching, so a cache slot keeps its own position whatever its slot index.
+written: the decoder commits the accepted ones (see `cache.py`, which also says how a
+bf16 cache is stored). RoPE is applied before caching, so a cache slot keeps its own
+position whatever its slot index.
+
+Precision: weights and the cache stay in the config's dtype; every matmul takes
+operands of the weights' dtype and sums in float32 (`dense`, `attend`), at the
+config's `matmul_precision`; the residual stream, norms, RoPE, softmax and logits are
+float32.
 
 Params come in two layouts of the same weights. Stored (checkpoints, training):
 `params["layers"]` holds every layer's weights stacked on a leading axis and the
@@ -36,16 +42,63 @@ import jax.numpy as jnp
 
 from . import cache as cache_lib
 from . import rope
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
 
 Params = Any
 KV = dict[str, Any]  # {"k", "v"}: a list of per-layer buffers (see cache.py)
 
 _NEG = float(jnp.finfo(jnp.float32).min)  # what the reference adds for masked entries
+_TINY = float(jnp.finfo(jnp.float32).tiny)
 
 
 def param_dtype(c: ModelConfig):
     return jnp.bfloat16 if c.dtype == "bfloat16" else jnp.float32
+
+
+# `ModelConfig.matmul_precision` -> the `precision` of every matmul. "default" defers to
+# `jax.default_matmul_precision` (on GPUs, float32 operands then run as TF32); "highest"
+# gives full float32 products, as the paper's float32 SetDLM runs need.
+MATMUL_PRECISIONS = {"default": None, "high": jax.lax.Precision.HIGH,
+                     "highest": jax.lax.Precision.HIGHEST}
+
+
+def matmul_precision(c: ModelConfig):
+    if c.matmul_precision not in MATMUL_PRECISIONS:
+        raise ConfigError(f"unknown matmul_precision {c.matmul_precision!r}; expected one of "
+                          f"{tuple(MATMUL_PRECISIONS)}")
+    return MATMUL_PRECISIONS[c.matmul_precision]
+
+
+def _in_loop(w, x):
+    """`w` tied to the activation `x`, for a weight stored below float32.
+
+    A backend that computes an operation on bf16 operands in float32 (XLA's CPU does for
+    row lookups, norms and some dots) widens `w` in front of it. Inside the decode loop
+    the widened copy depends on nothing the loop changes, so loop-invariant code motion
+    hoists it out of the `while_loop`, and the loop carries a float32 copy of every
+    weight (15 GB for the 3B model, twice its bf16 weights). Passing `w` through an
+    optimization barrier together with `x`, which the loop computes, makes the widening
+    depend on loop-carried data: it stays next to its use (fused into it where XLA can,
+    as in a row lookup). Where bf16 is read directly (GPU, TPU) nothing is widened and
+    the barrier moves no data.
+    """
+    if w.dtype == jnp.float32:
+        return w, x
+    return jax.lax.optimization_barrier((w, x))
+
+
+def dense(x, w, precision):
+    """x [rows, in] @ w with float32 accumulation; x is cast to the weight's dtype (bf16
+    operands on bf16 weights), the result is float32."""
+    w, x = _in_loop(w, x)
+    x = x.astype(w.dtype)
+    # XLA's CPU dot library multiplies bf16 operands of two rows or more; a single row
+    # goes to a matrix-vector path that widens the whole weight to float32 first.
+    single = x.shape[0] == 1 and w.dtype != jnp.float32 and cache_lib.widens_16bit()
+    if single:
+        x = jnp.concatenate([x, x])
+    y = jnp.dot(x, w, preferred_element_type=jnp.float32, precision=precision)
+    return y[:1] if single else y
 
 
 class RMSNorm(nn.Module):
@@ -57,7 +110,8 @@ class RMSNorm(nn.Module):
         w = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return w * y.astype(x.dtype)  # weight used as stored (not 1 + w)
+        w, y = _in_loop(w, y)  # the widened weight stays in the loop (see `_in_loop`)
+        return w.astype(jnp.float32) * y.astype(x.dtype)  # weight as stored (not 1 + w)
 
 
 def _dense_init(std: float = 0.02):
@@ -68,51 +122,132 @@ class Attention(nn.Module):
     c: ModelConfig
 
     @nn.compact
-    def __call__(self, x, cache_kv: KV, cos, sin, q_scale, mask, draft_rows):
-        c, dt = self.c, param_dtype(self.c)
+    def __call__(self, x, cache_kv: KV, cos, sin, q_scale, seen, mask, draft_rows):
+        c, dt, prec = self.c, param_dtype(self.c), matmul_precision(self.c)
         T = x.shape[0]
         wq = self.param("q_proj", _dense_init(), (c.hidden_size, c.num_heads * c.head_dim), dt)
         wk = self.param("k_proj", _dense_init(), (c.hidden_size, c.num_kv_heads * c.head_dim), dt)
         wv = self.param("v_proj", _dense_init(), (c.hidden_size, c.num_kv_heads * c.head_dim), dt)
         wo = self.param("o_proj", _dense_init(), (c.num_heads * c.head_dim, c.hidden_size), dt)
-        q = (x @ wq).reshape(T, c.num_heads, c.head_dim)
-        k = (x @ wk).reshape(T, c.num_kv_heads, c.head_dim)
-        v = (x @ wv).reshape(T, c.num_kv_heads, c.head_dim)
+        q = dense(x, wq, prec).reshape(T, c.num_heads, c.head_dim)
+        k = dense(x, wk, prec).reshape(T, c.num_kv_heads, c.head_dim)
+        v = dense(x, wv, prec).reshape(T, c.num_kv_heads, c.head_dim)
         if c.qk_norm:  # Qwen3: per-head RMSNorm over head_dim, before RoPE
             q = RMSNorm(c.rms_norm_eps, dt, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, dt, name="k_norm")(k)
-        q = rope.apply(q, cos, sin)
-        k = rope.apply(k, cos, sin)
-        q = (q.astype(jnp.float32) * q_scale[:, None, None]).astype(q.dtype)  # Llama-4 scale, after RoPE
+        q = rope.apply(q, cos, sin) * q_scale[:, None, None]  # Llama-4 scale, after RoPE
+
+        # The new rows' keys/values are rounded to the cache's dtype here, once: the rows
+        # attend to these values now and read the same values from the cache in later
+        # calls, and the commit writes them without converting the buffer.
+        k = rope.apply(k, cos, sin).astype(dt)
+        v = v.astype(dt)
 
         # Head-major [kv_heads, rows, head_dim], as the cache is stored: the kv head is the
-        # batch axis of both attention products, so the cache is read where it lies. The
-        # cache and the new rows are two key blocks under one softmax: concatenating the
-        # keys would copy the whole cache buffer in every layer.
+        # batch axis of both attention products, so the cache is read where it lies.
         k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)
         qg = q.reshape(T, c.num_kv_heads, c.num_groups, c.head_dim).transpose(1, 0, 2, 3)
-        S = cache_kv["k"].shape[1]
-
-        def scores_over(keys):  # query head h reads kv head h // G
-            return jnp.einsum("ktgd,ksd->ktgs", qg, keys, preferred_element_type=jnp.float32)
-
-        scores = jnp.concatenate([scores_over(cache_kv["k"]), scores_over(k)], axis=-1)
-        scores = scores * (1.0 / jnp.sqrt(jnp.float32(c.head_dim)))
-        scores = jnp.where(mask[None, :, None, :], scores, _NEG)  # mask: [T, S + T]
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = (jnp.einsum("ktgs,ksd->ktgd", probs[..., :S], cache_kv["v"])
-               + jnp.einsum("ktgs,ksd->ktgd", probs[..., S:], v))
+        qg = qg.astype(dt)  # both products take operands in the weights' dtype, float32 sums
+        out = attend(qg, k, v, cache_kv, seen, mask, dt, prec)
         out = out.transpose(1, 0, 2, 3).reshape(T, c.num_heads * c.head_dim)
 
-        y = out @ wo
+        y = dense(out, wo, prec)
         if c.lora_rank:
             # Draft-only adapter (paper App. F.2): a per-row switch, so verifier rows
             # in the same packed call stay the base model.
             a = self.param("lora_a", _dense_init(), (c.num_heads * c.head_dim, c.lora_rank), dt)
             b = self.param("lora_b", nn.initializers.zeros, (c.lora_rank, c.hidden_size), dt)
-            delta = ((out @ a) @ b) * jnp.asarray(c.lora_scale, y.dtype)
+            delta = dense(dense(out, a, prec), b, prec) * jnp.float32(c.lora_scale)
             y = jnp.where(draft_rows[:, None], y + delta, y)
-        return y, {"k": k, "v": v}
+        return y, {"k": cache_lib.stored(k), "v": cache_lib.stored(v)}
+
+
+# Live-length attention (see `attend`): the backends that use it, the shortest cache it
+# is used for, and the slots it reads per step.
+#
+# Measured on a 2-core CPU at the embedded model's shape (benchmarks/attention_timing.py):
+# with a 4096-slot cache, calls of 1 to 16 rows ran 2.5-3.6x faster with 300 live slots
+# and 1.05-1.8x slower with 4000 (every chunk is copied out of the buffer before its
+# product); at 264 slots it did not pay at all. It is off on GPUs: an XLA
+# while loop there waits for the host on each trip unless it runs as a CUDA graph, and
+# that would be layers x chunks waits per call, against a full read of a 4096-slot cache
+# of 0.44 GB (3B) or 0.58 GB (8B): about 0.1 ms at H200 bandwidth.
+LIVE_ATTENTION = ("cpu",)
+LIVE_MIN_SLOTS = 1024
+CHUNK = 256
+
+
+def attend(qg, k, v, cache_kv: KV, seen, mask, dt, prec):
+    """Softmax attention of the queries `qg` [kv_heads, T, G, D] over the cache slots
+    marked by `seen` [S] and the call's own rows `k`, `v` [kv_heads, T, D] (as `mask`
+    [T, T] allows), as one softmax; returns [kv_heads, T, G, D] float32.
+
+    The cache and the new rows are two key blocks: concatenating the keys would copy the
+    whole cache buffer in every layer. The cache block is read whole, or, on the
+    LIVE_ATTENTION backends and caches of LIVE_MIN_SLOTS slots or more, only up to its
+    last marked slot, a chunk at a time under an online softmax (`_attend_live`): the
+    cost of a call then follows the sequence, not the buffer. (On the CPU this also
+    keeps a bf16 cache, stored as bits, from being bitcast whole for every read.)
+    """
+    scale = 1.0 / jnp.sqrt(jnp.float32(qg.shape[-1]))
+
+    def scores_over(keys):  # query head h reads kv head h // G
+        return jnp.einsum("ktgd,ksd->ktgs", qg, keys, preferred_element_type=jnp.float32,
+                          precision=prec) * scale
+
+    def mix(p, values):
+        return jnp.einsum("ktgs,ksd->ktgd", p.astype(values.dtype), values,
+                          preferred_element_type=jnp.float32, precision=prec)
+
+    S = cache_kv["k"].shape[cache_lib.SLOT_AXIS]
+    new = jnp.where(mask[None, :, None, :], scores_over(k), _NEG)
+    if S >= LIVE_MIN_SLOTS and jax.default_backend() in LIVE_ATTENTION:
+        m, l, acc = _attend_live(scores_over, mix, cache_kv, seen, dt, qg.shape[:3])
+        top = jnp.maximum(m, jnp.max(new, axis=-1))
+        p = jnp.where(mask[None, :, None, :], jnp.exp(new - top[..., None]), 0.0)
+        fix = jnp.exp(m - top)
+        total = l * fix + jnp.sum(p, axis=-1)  # > 0 for any row that sees some key
+        return (acc * fix[..., None] + mix(p, v)) / jnp.maximum(total, _TINY)[..., None]
+    cache_k, cache_v = (cache_lib.loaded(cache_kv[n], dt) for n in ("k", "v"))
+    old = jnp.where(seen[None, None, None, :], scores_over(cache_k), _NEG)
+    probs = jax.nn.softmax(jnp.concatenate([old, new], axis=-1), axis=-1)
+    return mix(probs[..., :S], cache_v) + mix(probs[..., S:], v)
+
+
+def chunk_size(slots: int) -> int:
+    """Slots per read of the live-length attention over a `slots`-slot cache: at most
+    CHUNK, and equal chunks that tile the buffer with little overlap."""
+    chunks = -(-slots // CHUNK)
+    return -(-slots // chunks)
+
+
+def _attend_live(scores_over, mix, cache_kv: KV, seen, dt, lead):
+    """The cache block of `attend`, read CHUNK slots at a time up to the last seen slot
+    (an online softmax): returns the running max, sum and weighted values."""
+    S = cache_kv["k"].shape[cache_lib.SLOT_AXIS]
+    C = chunk_size(S)
+    live = jnp.max(jnp.where(seen, jnp.arange(1, S + 1), 0))
+    slot = jnp.arange(C)
+
+    def step(i, carry):
+        m, l, acc = carry
+        # The last chunk is moved back to end at S (a slice must stay in the buffer); the
+        # slots it shares with the chunk before were counted there already.
+        start = jnp.minimum(i * C, S - C)
+        keys, values = (cache_lib.loaded(
+            jax.lax.dynamic_slice_in_dim(cache_kv[n], start, C, axis=cache_lib.SLOT_AXIS), dt)
+            for n in ("k", "v"))
+        ok = jax.lax.dynamic_slice_in_dim(seen, start, C) & (start + slot >= i * C)
+        s = jnp.where(ok, scores_over(keys), _NEG)
+        top = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.where(ok, jnp.exp(s - top[..., None]), 0.0)
+        fix = jnp.exp(m - top)
+        return top, l * fix + jnp.sum(p, axis=-1), acc * fix[..., None] + mix(p, values)
+
+    D = cache_kv["k"].shape[-1]
+    init = (jnp.full(lead, _NEG, jnp.float32), jnp.zeros(lead, jnp.float32),
+            jnp.zeros(lead + (D,), jnp.float32))
+    return jax.lax.fori_loop(0, (live + C - 1) // C, step, init)
 
 
 class MLP(nn.Module):
@@ -120,22 +255,22 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        c, dt = self.c, param_dtype(self.c)
+        c, dt, prec = self.c, param_dtype(self.c), matmul_precision(self.c)
         gate = self.param("gate_proj", _dense_init(), (c.hidden_size, c.intermediate_size), dt)
         up = self.param("up_proj", _dense_init(), (c.hidden_size, c.intermediate_size), dt)
         down = self.param("down_proj", _dense_init(), (c.intermediate_size, c.hidden_size), dt)
-        return (jax.nn.silu(x @ gate) * (x @ up)) @ down
+        return dense(jax.nn.silu(dense(x, gate, prec)) * dense(x, up, prec), down, prec)
 
 
 class DecoderLayer(nn.Module):
     c: ModelConfig
 
     @nn.compact
-    def __call__(self, h, cache_kv, cos, sin, q_scale, mask, draft_rows):
+    def __call__(self, h, cache_kv, cos, sin, q_scale, seen, mask, draft_rows):
         c, dt = self.c, param_dtype(self.c)
         a, kv = Attention(c, name="attn")(
-            RMSNorm(c.rms_norm_eps, dt, name="input_norm")(h), cache_kv, cos, sin, q_scale, mask,
-            draft_rows)
+            RMSNorm(c.rms_norm_eps, dt, name="input_norm")(h), cache_kv, cos, sin, q_scale, seen,
+            mask, draft_rows)
         h = h + a
         h = h + MLP(c, name="mlp")(RMSNorm(c.rms_norm_eps, dt, name="post_attn_norm")(h))
         return h, kv
@@ -149,16 +284,17 @@ class Transformer(nn.Module):
     def __call__(self, tokens, positions, mask, cache: KV, cache_len, draft_rows, out_rows=None):
         c, dt = self.c, param_dtype(self.c)
         embed = self.param("embed", _dense_init(), (c.vocab_size, c.hidden_size), dt)
-        h = embed[tokens]
+        # The residual stream is float32 whatever the weights' dtype (it is a few rows);
+        # each matmul casts its input to the weight dtype (see `dense`).
+        table, tokens_ = _in_loop(embed, tokens)  # a lookup that widens only its rows
+        h = table[tokens_].astype(jnp.float32)
         cos, sin = rope.cos_sin(c, positions)
         q_scale = rope.query_scale(c, positions)
         S = cache["k"][0].shape[cache_lib.SLOT_AXIS]
         seen = jnp.asarray(cache_len)
         if seen.ndim == 0:  # a count: the committed prefix
             seen = jnp.arange(S) < seen
-        seen_cache = jnp.broadcast_to(seen[None, :], (tokens.shape[0], S))
-        full_mask = jnp.concatenate([seen_cache, mask], axis=1)  # [T, S + T]
-        shared = (cos, sin, q_scale, full_mask, draft_rows)
+        shared = (cos, sin, q_scale, seen, mask, draft_rows)
         if self.unrolled:
             kv = {"k": [], "v": []}
             for i in range(c.num_layers):
@@ -172,7 +308,7 @@ class Transformer(nn.Module):
                 DecoderLayer,
                 variable_axes={"params": 0},
                 split_rngs={"params": True},
-                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+                in_axes=(0,) + (nn.broadcast,) * 6,
                 length=c.num_layers,
             )(c, name="layers")
             h, stacked = layers(h, cache, *shared)
@@ -184,14 +320,14 @@ class Transformer(nn.Module):
             head = embed.T
         else:
             head = self.param("head", _dense_init(), (c.hidden_size, c.vocab_size), dt)
-        logits = jnp.dot(h, head, preferred_element_type=jnp.float32)
+        logits = dense(h, head, matmul_precision(c))
         return logits, kv
 
 
 def empty_cache(c: ModelConfig, size: int) -> KV:
     """A cache of `size` slots: per layer, `[kv_heads, slots, head_dim]` (see cache.py)."""
     shape = (c.num_kv_heads, size, c.head_dim)
-    return {name: [jnp.zeros(shape, param_dtype(c)) for _ in range(c.num_layers)]
+    return {name: [cache_lib.empty(shape, param_dtype(c)) for _ in range(c.num_layers)]
             for name in ("k", "v")}
 
 
