@@ -37,7 +37,7 @@ import numpy as np
 
 from packed_ss_jax import model as model_lib
 from packed_ss_jax.checkpoints import nemotron
-from packed_ss_jax.config import from_hf_config
+from packed_ss_jax.families import parse_hf_config
 
 # Dimensions from the released config.json files (3B: hidden 3072, q_proj 3072 -> 4096;
 # 8B: hidden 4096); the tiny shape keeps the 3B's decoupled head_dim (heads * head_dim
@@ -98,7 +98,7 @@ def adapter_config(shape: str) -> dict:
 
 def model_config(shape: str, dtype: str = "bfloat16", lora: bool = False):
     """The ModelConfig `load` derives from this shape's files."""
-    c = from_hf_config(hf_config(shape), dtype)
+    c = parse_hf_config(hf_config(shape), dtype)
     return c.replace(lora_rank=LORA[shape][0], lora_alpha=float(LORA[shape][1])) if lora else c
 
 

@@ -89,24 +89,22 @@ def seed(text: str) -> int:
     return value
 
 
-def temperature(text: str) -> float:
+def _number(text: str, ok: Callable[[float], bool], what: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    if not ok(value):  # NaN fails every check
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
     return value
+
+
+def temperature(text: str) -> float:
+    return _number(text, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
 
 
 def probability(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value <= 1:  # NaN fails too
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
-    return value
+    return _number(text, lambda v: 0 < v <= 1, "in (0, 1]")
 
 
 def token_ids(text: str) -> list[int]:

@@ -237,6 +237,14 @@ def seeded(run: Callable) -> Callable:
                                                        jax.random.PRNGKey(seed))
 
 
+def lower(model, family, request: Request):
+    """The decode program of a request, lowered for the model's params: arrays, or
+    `jax.ShapeDtypeStruct`s to read a real-size program's HLO, cost and memory without
+    allocating any weight."""
+    return jax.jit(seeded(family.build(model, request.program))).lower(model.params,
+                                                                      *request.args())
+
+
 def compiled(model, family, request: Request) -> tuple[Any, float]:
     """The compiled program of a request and the seconds spent compiling it now."""
     run = seeded(family.build(model, request.program))

@@ -71,7 +71,6 @@ SETDLM_CASES = [("serial", "ltr", 0.0), ("native", "ltr", 0.0), ("linear", "conf
 
 @pytest.mark.parametrize("schedule,order,temperature", SETDLM_CASES)
 def test_setdlm_loop_never_copies_the_cache(schedule, order, temperature):
-    from packed_ss_jax.setdlm import decode as setdlm_decode
     from test_setdlm_decode import tiny_setdlm
 
     m = tiny_setdlm(0)
