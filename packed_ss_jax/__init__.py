@@ -7,6 +7,7 @@
 
 from .api import DecodeResult, decode, decoder, logits
 from .checkpoints.errors import CheckpointError
+from .compile_cache import set_compile_cache
 from .config import ConfigError, ModelConfig
 from .conversion import convert
 from .engine import NonFiniteError
@@ -16,5 +17,6 @@ from .model import Model
 from .requests import InputError
 
 __all__ = ["CheckpointError", "ConfigError", "DecodeResult", "FAMILIES", "InputError", "Model",
-           "ModelConfig", "NonFiniteError", "convert", "decode", "decoder", "load", "logits"]
+           "ModelConfig", "NonFiniteError", "convert", "decode", "decoder", "load", "logits",
+           "set_compile_cache"]
 __version__ = "0.1.0"

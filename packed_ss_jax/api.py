@@ -4,6 +4,7 @@ table (families.py) and the driver (engine.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Callable, Sequence
 
@@ -91,6 +92,8 @@ def decoder(model_or_config, *, schedule: str = "packed", block_size: int | None
 
     prompt_ids: [P] int token ids, padded (with any valid id) past `prompt_len`; P is
     static, P + max_new_tokens <= cache_size. key: a PRNG key (ignored when greedy).
+    Without a `cache_size`, the cache is sized from P + max_new_tokens (a power of two, as
+    `decode` sizes it), when `fn` is traced.
     tokens: [max_new_tokens] int32, valid up to n_tokens. stats: nfe, iterations,
     accept_hist, nonfinite_at (the generated position where NaN/Inf logits stopped the
     loop, -1 when none; tokens past it are not emitted) and, for SetDLM, the row counts
@@ -111,20 +114,24 @@ def decoder(model_or_config, *, schedule: str = "packed", block_size: int | None
         order=order, temperature=temperature, top_k=top_k, top_p=top_p, cache_size=cache_size,
         max_new_tokens=max_new_tokens, eos_id=eos_id, stop_sequences=stop_sequences,
         tokenizer=getattr(model, "tokenizer", None))
-    run = family.build(model, program)
 
     def fn(params, prompt_ids, prompt_len, key):
         prompt_ids, prompt_len = jnp.asarray(prompt_ids), jnp.asarray(prompt_len)
         chex.assert_rank([prompt_ids, prompt_len], [1, 0])
         chex.assert_type([prompt_ids, prompt_len], int)
         P = prompt_ids.shape[0]
-        if P + max_new > program.capacity:
+        p = program
+        if cache_size is None:  # sized from the prompt's static length, as decode does
+            need = engine.capacity_for(max(P + max_new, p.width))
+            p = dataclasses.replace(p, capacity=min(need, model.config.max_position_embeddings))
+        if P + max_new > p.capacity:
             raise InputError(f"prompt_ids of length {P} + max_new_tokens ({max_new}) exceed "
-                             f"the cache ({program.capacity} slots)")
+                             f"the cache ({p.capacity} slots)")
         if key is None:
             if not program.sampler.greedy:
                 raise InputError("a sampling decoder needs a PRNG key")
             key = jax.random.PRNGKey(0)
+        run = family.build(model, p)
         out = run(params, prompt_ids.astype(jnp.int32), prompt_len.astype(jnp.int32),
                   jax.tree.map(jnp.asarray, limits), key)
         tokens, n_tokens = out.pop("tokens")[:max_new], out.pop("n_tokens")

@@ -133,11 +133,20 @@ def model_args(p: Parser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the checksum check of a converted --model (faster load)")
+    p.add_argument("--compile-cache", metavar="DIR|off", default=None,
+                   help="where compiled programs are kept between runs (default: "
+                        "$PACKED_SS_COMPILE_CACHE, else ~/.cache/packed_ss_jax/xla); off: "
+                        "none")
 
 
 def load_model(args):
-    """The model the command line names (`model_args`)."""
+    """The model the command line names (`model_args`); also applies --compile-cache."""
     from . import loading
+    from .compile_cache import OFF, set_compile_cache
+
+    if args.compile_cache is not None:
+        off = args.compile_cache.strip().lower() in OFF
+        set_compile_cache(None if off else args.compile_cache)
 
     if args.model is not None and not Path(args.model).exists() \
             and args.model not in loading.embedded_models():

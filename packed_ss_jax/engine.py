@@ -26,11 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import requests
+from . import compile_cache, requests
 from .requests import InputError
 from .sampling import Sampler
 
 MIN_BUCKET = 16
+MIN_CAPACITY = 128
 DEFAULT_CACHE_SIZE = 4096
 
 
@@ -142,6 +143,14 @@ def bucket_for(n: int, capacity: int) -> int:
     return min(b, capacity)
 
 
+def capacity_for(need: int) -> int:
+    """KV slots for a request of `need` tokens: a power of two, at least MIN_CAPACITY."""
+    c = MIN_CAPACITY
+    while c < need:
+        c *= 2
+    return c
+
+
 # --- requests -------------------------------------------------------------------------------
 
 
@@ -173,9 +182,15 @@ def check_options(family, schedule, order, sampler: Sampler) -> None:
 
 def program_for(family, config, *, schedule="packed", width=None, order="ltr",
                 temperature=0.0, top_k=None, top_p=None, cache_size=None, max_new_tokens=128,
-                eos_id=-1, stop_sequences=(), tokenizer=None, bucket=None):
-    """The program and the traced limits of a request, every argument checked (no prompt:
-    `bucket`, the padded prompt length, is given or filled in by `prepare`)."""
+                eos_id=-1, stop_sequences=(), tokenizer=None, prompt_len=None):
+    """The program and the traced limits of a request, every argument checked.
+
+    Without a `cache_size`, the capacity is sized to the request: prompt + max_new_tokens
+    rounded up to a power of two (at least MIN_CAPACITY), so attention reads a buffer the
+    size of the sequence, not of the model's longest context, and requests of similar
+    length share one program. With no prompt length (`decoder`, before the prompt's shape
+    is known) it is min(DEFAULT_CACHE_SIZE, max_position_embeddings). `bucket`, the
+    padded prompt length, is filled in by `prepare`."""
     sampler = requests.sampler(temperature, top_k, top_p)
     check_options(family, schedule, order, sampler)
     if width is None:
@@ -187,18 +202,20 @@ def program_for(family, config, *, schedule="packed", width=None, order="ltr",
         raise InputError(f"stop_sequences are not supported for {family.title} models yet; "
                          "use eos_id")
     limits = family.limits(tokenizer, config.vocab_size, max_new, eos, stop_sequences)
+    need = None if prompt_len is None else max(prompt_len + max_new, width)
     capacity = requests.cache_size(cache_size, config, block=width, block_name=family.width_name,
-                                   default=DEFAULT_CACHE_SIZE)
-    program = Program(family.name, schedule, width, bucket or 0, capacity, sampler, order)
+                                   default=DEFAULT_CACHE_SIZE if need is None else
+                                   capacity_for(need))
+    program = Program(family.name, schedule, width, 0, capacity, sampler, order)
     return program, limits, max_new
 
 
 def prepare(model, family, prompt, *, seed=0, **options) -> Request:
     """A checked request for `decode` (see `program_for` for the options)."""
     seed = requests.seed(seed)
-    program, limits, max_new = program_for(family, model.config,
-                                           tokenizer=getattr(model, "tokenizer", None), **options)
     ids = requests.prompt_ids(model, prompt)
+    program, limits, max_new = program_for(family, model.config, prompt_len=len(ids),
+                                           tokenizer=getattr(model, "tokenizer", None), **options)
     requests.fits(len(ids), max_new, program.capacity)
     program = dataclasses.replace(program, bucket=bucket_for(len(ids), program.capacity))
     return Request(program, ids, limits, seed, max_new)
@@ -224,6 +241,7 @@ def aot(key: Hashable, fn: Callable, *args) -> tuple[Any, float]:
     goes through here); returns it and the seconds spent compiling now."""
     if key in _compiled:
         return _compiled[key], 0.0
+    compile_cache.ensure()
     t0 = time.perf_counter()
     exe = jax.jit(fn).lower(*args).compile()
     _compiled[key] = exe

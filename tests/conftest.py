@@ -7,6 +7,9 @@ import pytest
 
 # Parity needs true float32 products (TF32/bf16 passes move the fixture logits by ~1e-3).
 jax.config.update("jax_default_matmul_precision", "highest")
+# Programs compile in every test process (the compile-count tests count them); the
+# persistent cache has its own test, with its own directory.
+os.environ["PACKED_SS_COMPILE_CACHE"] = "off"
 
 
 def _shared() -> Path:

@@ -1,0 +1,63 @@
+"""The persistent compilation cache: a second process loads a decode program it compiled
+before instead of compiling it again."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import packed_ss_jax
+
+# The decode's compile_s is tracing + lowering (about 1.5 s here, paid by every process)
+# plus XLA's compile (the part the cache saves; minutes at real size): the XLA part is
+# read from JAX's own timing events.
+CHILD = """
+import json, jax, packed_ss_jax as ps
+from packed_ss_jax import compile_cache
+events = {}
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, secs, **kw: events.__setitem__(name, events.get(name, 0.0) + secs))
+model = ps.load()
+events.clear()
+r = ps.decode(model, "Question: Ava has 12 apples. How many apples does Ava have?",
+              schedule="packed", block_size=8, max_new_tokens=8)
+print(json.dumps({"compile_s": r.compile_s, "tokens": r.tokens,
+                  "xla_s": events["/jax/core/compile/backend_compile_duration"],
+                  "dir": str(compile_cache.ensure())}))
+"""
+
+
+def _run(env_value, tmp_path):
+    root = str(Path(packed_ss_jax.__file__).resolve().parents[1])  # this checkout's package
+    env = dict(os.environ, PACKED_SS_COMPILE_CACHE=env_value,
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_second_process_reuses_compiled_programs(tmp_path):
+    cache = tmp_path / "xla"
+    first = _run(str(cache), tmp_path)
+    assert first["dir"] == str(cache) and any(cache.iterdir()), "nothing was cached"
+    second = _run(str(cache), tmp_path)
+    assert second["tokens"] == first["tokens"]
+    assert second["xla_s"] < 0.2 * first["xla_s"], (first, second)
+    assert second["compile_s"] < 0.5 * first["compile_s"], (first, second)
+    print(f"compile: first process {first['compile_s']:.2f}s (XLA {first['xla_s']:.2f}s), "
+          f"second {second['compile_s']:.2f}s (XLA {second['xla_s']:.2f}s)")
+
+
+def test_off_means_no_cache(tmp_path):
+    import packed_ss_jax as ps
+    from packed_ss_jax import compile_cache
+
+    try:
+        assert ps.set_compile_cache(None) is None
+        target = tmp_path / "moved"
+        assert ps.set_compile_cache(target) == target and target.is_dir()
+        assert oct(target.stat().st_mode & 0o777) == oct(0o700)  # trusted code: private
+    finally:
+        compile_cache.set_compile_cache(None)
