@@ -90,7 +90,8 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "bfloat16", lora: boo
             params = read_weights(src, config, progress=progress)
             guard.check()  # between phases: a signal whose exception was swallowed
             copies = [src / "config.json"] + [src / f for f in TOKENIZER_FILES if (src / f).exists()]
-            writer.write(config, params, copies)
+            writer.write(config, params, copies, progress=progress)
+            del params  # the Writer is done with it
             guard.check()
             guard.armed = False  # a plain store: no signal can land between it and commit
             with guard.blocked():

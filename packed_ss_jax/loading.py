@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 from . import families
 from .checkpoints import store
@@ -46,9 +45,11 @@ def hf_config(path: Path, dtype: str, lora: bool | None, base_config=None) -> Mo
     return config
 
 
-def read_weights(path: Path, config: ModelConfig, progress: bool = False) -> dict:
-    """The params of a Hugging Face directory, as NumPy arrays, by its family's reader."""
-    return families.of(config).read_weights(path, config, progress=progress)
+def read_weights(path: Path, config: ModelConfig, progress: bool = False, place=None) -> dict:
+    """The params of a Hugging Face directory in the decoding layout, read one tensor at a
+    time by its family's reader: NumPy arrays, or what `place` (e.g. `jax.device_put`)
+    makes of each as soon as it is read."""
+    return families.of(config).read_weights(path, config, progress=progress, place=place)
 
 
 EMBEDDED_DIR = Path(__file__).resolve().parent / "embedded"
@@ -123,10 +124,12 @@ def load(path: str | Path | None = None, dtype: str = "float32", lora: bool | No
                               "lora=False to drop it")
         if lora and not config.lora_rank:
             raise CheckpointError(f"lora=True but {path} was converted without an adapter")
-        params = store.restore(path, config, verify=verify)
+        params = store.restore(path, config, verify=verify, progress=progress)
     else:
         config = hf_config(path, dtype, lora, base_config)
-        params = jax.tree.map(jnp.asarray, read_weights(path, config, progress=progress))
+        # Each tensor goes to the device as it is read (jax.device_put copies once;
+        # jnp.asarray would copy twice), so loading holds one tensor besides the params.
+        params = read_weights(path, config, progress=progress, place=jax.device_put)
     if tokenizer is not None:
         tokenizer = Path(tokenizer)
         if not tokenizer.exists():

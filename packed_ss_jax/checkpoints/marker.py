@@ -1,18 +1,25 @@
 """The marker file of a converted directory: config, array checksums, file list.
 
-`packed_ss_config.json` (format version 2):
+`packed_ss_config.json` (format version 3):
 
-    {"format": "packed_ss_jax", "version": 2,
+    {"format": "packed_ss_jax", "version": 3,
      "config": {...ModelConfig fields...},
      "arrays": {"layers/attn/q_proj": {"shape": [L, d, d], "dtype": "bfloat16",
                                        "sha256": "<64 hex digits>"}, ...},
      "files":  ["config.json", "params/", "params/_METADATA", ...]}
 
-`arrays` names every param array with its shape, dtype and the SHA-256 of its bytes as
-written, so a damaged or edited params file is caught at load. `files` lists every file
-and directory (trailing "/") the conversion wrote besides the marker itself: `--overwrite`
-replaces a directory only when it holds nothing else. Version 1 had only `config`; it
-still loads, without checksum verification.
+`arrays` names every param array of the stored layout (`layers/...` stacked over the
+layers, see `model.py`) with its shape, dtype and the SHA-256 of its bytes as written, so
+a damaged or edited params file is caught at load. `files` lists every file and
+directory (trailing "/") the conversion wrote besides the marker itself: `--overwrite`
+replaces a directory only when it holds nothing else.
+
+Versions: 3 stores params/ in the decoding layout, one array per layer weight
+(`layer_{i}/attn/q_proj`), so that neither writing nor reading ever stacks a weight
+over the layers; a stacked array's checksum is that of its layers' bytes one after
+another, so it is computed from the per-layer arrays alone and equals version 2's. Version 2
+stored params/ stacked (`layers/...`). Version 1 had only `config`. Both still load
+(version 1 without checksum verification).
 
 Everything read from a marker is validated here, so a damaged one gives an error naming
 the file and the field instead of a traceback further down.
@@ -37,26 +44,80 @@ from .errors import CheckpointError
 
 MARKER = "packed_ss_config.json"
 FORMAT = "packed_ss_jax"
-VERSION = 2
-READABLE = (1, 2)
-_KEYS = {1: {"format", "version", "config"}, 2: {"format", "version", "config", "arrays", "files"}}
+VERSION = 3
+READABLE = (1, 2, 3)
+_V2_KEYS = {"format", "version", "config", "arrays", "files"}
+_KEYS = {1: {"format", "version", "config"}, 2: _V2_KEYS, 3: _V2_KEYS}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
-def checksum(a: np.ndarray) -> str:
-    """SHA-256 of the array's bytes (C order, native byte order).
+def checksum(a) -> str:
+    """SHA-256 of an array's bytes (C order, native byte order), or of several arrays'
+    bytes one after another (a stacked array's layers: the same digest as the stack's).
 
     SHA-256 runs at about 1.65 GiB/s per core here (SHA-NI); CRC-32 is about 2.2x faster
     but can be forged to match edited weights, so it would catch accidents only.
     """
-    flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-    return hashlib.sha256(memoryview(flat)).hexdigest()
+    h = hashlib.sha256()
+    for part in (a if isinstance(a, (list, tuple)) else [a]):
+        flat = np.ascontiguousarray(part).reshape(-1).view(np.uint8)
+        h.update(memoryview(flat))
+    return h.hexdigest()
 
 
 def array_names(tree) -> dict[str, object]:
     """"layers/attn/q_proj" -> leaf, for a params tree of nested dicts."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     return {"/".join(str(k.key) for k in path): leaf for path, leaf in flat}
+
+
+# -- the two layouts ------------------------------------------------------------------
+# Stored: "layers/attn/q_proj" holds every layer, stacked on axis 0 (what checkpoints,
+# training and the marker's `arrays` speak). Decoding: "layer_3/attn/q_proj" is layer 3
+# alone (what a loaded Model holds, and version-3 params/). See model.py.
+
+STACKED = "layers"
+_LAYER = re.compile(r"layer_(0|[1-9][0-9]*)")
+
+
+def stored_name(name: str) -> tuple[str, int | None]:
+    """"layer_3/attn/q_proj" -> ("layers/attn/q_proj", 3); any other name -> (name, None)."""
+    head, sep, rest = name.partition("/")
+    m = _LAYER.fullmatch(head)
+    if m and sep:
+        return f"{STACKED}/{rest}", int(m.group(1))
+    return name, None
+
+
+def stored_parts(tree) -> dict[str, list]:
+    """Stored name -> the leaves that hold it, in layer order: one per layer for a name
+    held per layer (the decoding layout), else the leaf itself. Raises ValueError when a
+    name's layers are not exactly 0 .. n-1, or it is held both ways."""
+    return {name: leaves for name, (_, leaves) in _grouped(tree).items()}
+
+
+def _grouped(tree) -> dict[str, tuple[bool, list]]:
+    by_name: dict[str, dict] = {}
+    for name, leaf in array_names(tree).items():
+        stored, layer = stored_name(name)
+        by_name.setdefault(stored, {})[layer] = leaf
+    out = {}
+    for stored, by_layer in by_name.items():
+        if None in by_layer:
+            if len(by_layer) > 1:
+                raise ValueError(f"{stored} is stored both whole and per layer")
+            out[stored] = (False, [by_layer[None]])
+            continue
+        layers = sorted(by_layer)
+        if layers != list(range(len(layers))):
+            raise ValueError(f"{stored} is stored for layers {layers}, not 0 .. {len(layers) - 1}")
+        out[stored] = (True, [by_layer[i] for i in layers])
+    return out
+
+
+def is_layered(tree) -> bool:
+    """Whether a params tree (or orbax metadata tree) holds its layers one by one."""
+    return any(stored_name(n)[1] is not None for n in array_names(tree))
 
 
 def dtype_name(dtype) -> str:
@@ -155,6 +216,26 @@ def specs(tree) -> dict[str, tuple[tuple[int, ...], str]]:
     """name -> (shape, dtype name) of a params tree (arrays or ShapeDtypeStructs)."""
     return {n: (tuple(int(s) for s in x.shape), dtype_name(x.dtype))
             for n, x in array_names(tree).items()}
+
+
+def stored_specs(tree) -> tuple[dict[str, tuple[tuple[int, ...], str]], list[str]]:
+    """`specs` under stored names, for a tree in either layout: a name held per layer gets
+    the stacked shape `[layers, ...]`. Returns the specs and the problems that leave a
+    name without one (layers missing from 0 .. n-1, layers of different shapes)."""
+    try:
+        grouped = _grouped(tree)
+    except ValueError as e:
+        return {}, [str(e)]
+    out, problems = {}, []
+    for stored, (layered, leaves) in grouped.items():
+        got = {(tuple(int(s) for s in x.shape), dtype_name(x.dtype)) for x in leaves}
+        if len(got) > 1:
+            problems.append(f"{stored}: its layers differ in shape or dtype: "
+                            + ", ".join(f"{list(s)} {d}" for s, d in sorted(got)))
+            continue
+        shape, dtype = got.pop()
+        out[stored] = ((len(leaves),) + shape if layered else shape, dtype)
+    return out, problems
 
 
 def compare(expected: dict, found: dict, what: str) -> list[str]:

@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import model as model_lib
 from ..config import ConfigError, ModelConfig, float_field, int_field, read_hf_config
-from .assemble import Entry, assemble, decoder_table
+from .assemble import Entry, assemble, decoder_table, merge
 from .errors import CheckpointError
 from .safetensors_io import SafetensorsDir
 
@@ -60,14 +60,16 @@ def _np_dtype(c: ModelConfig):
     return ml_dtypes.bfloat16 if c.dtype == "bfloat16" else np.float32
 
 
-def read(path: str | Path, c: ModelConfig, progress: bool = False) -> dict:
-    """Reads the base weights (and the adapter when `c.lora_rank`) into a params tree."""
+def read(path: str | Path, c: ModelConfig, progress: bool = False, place=None) -> dict:
+    """Reads the base weights (and the adapter when `c.lora_rank`) into a params tree in
+    the decoding layout, one tensor at a time; `place` (e.g. `jax.device_put`) takes
+    each array as it is read (see `assemble`)."""
     path = Path(path)
     abstract = model_lib.abstract_params(c)
     params = assemble(table(c), abstract, c.num_layers, SafetensorsDir(path), _np_dtype(c),
-                      ignore=_ignored, label="weights", progress=progress)
+                      ignore=_ignored, label="weights", progress=progress, place=place)
     if c.lora_rank:
-        lora = assemble(_lora_table(), abstract, c.num_layers, SafetensorsDir(path / LORA_DIR, "adapter_model.safetensors"),
-                        _np_dtype(c), label="adapter", progress=progress)
-        params["layers"]["attn"].update(lora["layers"]["attn"])
+        adapter = SafetensorsDir(path / LORA_DIR, "adapter_model.safetensors")
+        merge(params, assemble(_lora_table(), abstract, c.num_layers, adapter, _np_dtype(c),
+                               label="adapter", progress=progress, place=place))
     return params

@@ -84,8 +84,9 @@ def _np_dtype(c: ModelConfig):
     return ml_dtypes.bfloat16 if c.dtype == "bfloat16" else np.float32
 
 
-def read(path: str | Path, c: ModelConfig, progress: bool = False) -> dict:
-    """Reads the weights into a params tree, checking the tied head when it is stored."""
+def read(path: str | Path, c: ModelConfig, progress: bool = False, place=None) -> dict:
+    """Reads the weights into a params tree in the decoding layout, one tensor at a time
+    (`place`: see `assemble`), checking the tied head when it is stored."""
     src = source(path)
     names = set(src.names())
     tied_head = c.tie_embeddings and HEAD in names
@@ -97,4 +98,4 @@ def read(path: str | Path, c: ModelConfig, progress: bool = False) -> dict:
                                   "(tie_word_embeddings)")
     return assemble(table(c), model_lib.abstract_params(c), c.num_layers, src, _np_dtype(c),
                     ignore=_ignored(c), label="weights", progress=progress,
-                    allow_unexpected=[HEAD] if tied_head else [])
+                    allow_unexpected=[HEAD] if tied_head else [], place=place)

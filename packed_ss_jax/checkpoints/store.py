@@ -2,8 +2,17 @@
 
 Layout of a converted directory:
     packed_ss_config.json   format, version, config, per-array SHA-256, file list (marker.py)
-    params/                 orbax StandardCheckpointer checkpoint of the params tree
+    params/                 orbax checkpoint of the params in the decoding layout
+                            (`layer_{i}/...`, one array per layer weight), uncompressed
     config.json, tokenizer files   copied from the source, when present
+
+Memory: writing and reading never hold a second copy of the weights. The writer hands
+orbax the NumPy arrays as they are (its default NumPy handler deep-copies every array
+first, and zstd compression stages the compressed bytes in memory until the commit:
+each was one more copy of the weights; bf16 weights compress by only ~20%), and the
+checksums are computed from the per-layer arrays while orbax writes. The reader restores
+one layer (or one whole-model array) at a time, hashes it while the next one is read,
+and hands each array to `place` (`jax.device_put`) before the next layer comes.
 
 `Writer` builds everything in a hidden sibling directory, `.NAME.partial-<random>`, and
 renames it into place only once complete (swapping atomically with a previous output),
@@ -15,7 +24,9 @@ so a failed or interrupted conversion leaves no output and no half-replaced one.
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import json
+import math
 import os
 import shutil
 import stat
@@ -26,13 +37,12 @@ from pathlib import Path
 from typing import Iterable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .. import model as model_lib
 from ..config import ModelConfig
 from . import atomic, marker
-from .assemble import count_non_finite
+from .assemble import Progress, count_non_finite
 from .errors import CheckpointError
 
 MARKER = marker.MARKER
@@ -57,10 +67,31 @@ def _hash_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def checksums(arrays: dict[str, np.ndarray]) -> dict[str, str]:
-    """SHA-256 of each array, several arrays at once (hashlib releases the GIL)."""
+def checksums(arrays: dict) -> dict[str, str]:
+    """SHA-256 of each array (or of each list of arrays, their bytes one after another:
+    a stacked weight's layers), several at once (hashlib releases the GIL)."""
     with concurrent.futures.ThreadPoolExecutor(_hash_workers()) as pool:
         return dict(zip(arrays, pool.map(marker.checksum, arrays.values())))
+
+
+def host_arrays(params) -> dict:
+    """The params as NumPy arrays in the decoding layout, without copying: a CPU jax
+    array's NumPy view, a stacked array's per-layer views."""
+    return model_lib.unstack_layers(jax.tree.map(np.asarray, params))
+
+
+def _numpy_checkpointer():
+    """An orbax checkpointer that writes NumPy arrays in place: without the deep copy of
+    orbax's default NumPy handler and without compression (see module doc). The arrays
+    must not change until it returns; they are the converter's own."""
+    import orbax.checkpoint as ocp
+
+    handlers = ocp.type_handlers
+    registry = handlers.create_type_handler_registry(
+        (np.ndarray, handlers.NumpyHandler(deepcopy_host_arrays=False)),
+        (jax.Array, handlers.get_type_handler(jax.Array)))  # orbax wants one registered
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry,
+                                                        use_compression=False))
 
 
 # -- writing -------------------------------------------------------------------------
@@ -109,6 +140,17 @@ def replace_refusal(dst: Path) -> str | None:
     if unlisted:
         return f"cannot list {unlisted[0].filename} ({unlisted[0].strerror}), so {dst} is not replaced"
     return None
+
+
+def _bytes_under(root: Path) -> int:
+    total = 0
+    for d, _, files in os.walk(root):
+        for n in files:
+            try:
+                total += os.stat(os.path.join(d, n)).st_size
+            except OSError:  # orbax renames and removes its temporary files as it goes
+                pass
+    return total
 
 
 def _walk(root: Path) -> list[str]:
@@ -162,7 +204,7 @@ class Writer:
             raise DestinationError(f"cannot write the output {self.dst}: "
                                    f"{e.strerror or e} in {where}") from None
 
-    def _save_params(self, params):
+    def _save_params(self, arrays):
         import orbax.checkpoint as ocp
 
         with self._lock:
@@ -170,39 +212,58 @@ class Writer:
                 return
             self._started = True
         try:
-            checkpointer = ocp.StandardCheckpointer()
+            checkpointer = _numpy_checkpointer()
             try:
-                checkpointer.save(self.tmp / "params", params)
+                checkpointer.save(self.tmp / "params", args=ocp.args.PyTreeSave(arrays))
             finally:
-                checkpointer.wait_until_finished()
                 checkpointer.close()
         except BaseException as e:  # re-raised in the calling thread
             self._error = e
         finally:
             self._written.set()
 
-    def write(self, config: ModelConfig, params, copy_files: Iterable[Path] = ()):
-        """Writes params (in a writer thread), checksums and copies into the hidden directory."""
-        arrays = {n: np.asarray(a) for n, a in marker.array_names(params).items()}
+    def write(self, config: ModelConfig, params, copy_files: Iterable[Path] = (),
+              progress: bool = False):
+        """Writes params (in a writer thread), checksums and copies into the hidden directory.
+
+        `params` in either layout (NumPy or jax arrays); params/ gets the decoding layout
+        and the marker the stored names, shapes and checksums (see marker.py)."""
+        arrays = host_arrays(params)
+        specs, problems = marker.stored_specs(arrays)
+        if problems:
+            raise ValueError("params tree: " + "; ".join(problems))
         # orbax writes from a thread of ours, so `abort` can wait for it: files must not
         # appear in the hidden directory after it was removed.
-        self._thread = threading.Thread(target=self._save_params, args=(params,),
+        self._thread = threading.Thread(target=self._save_params, args=(arrays,),
                                         name="packed-ss-params-writer", daemon=True)
         self._thread.start()
-        sums = checksums(arrays)  # overlaps with the write
-        self._written.wait()
+        leaves = jax.tree.leaves(arrays)
+        bar = Progress(len(leaves), "writing params", progress, noun="arrays",
+                       total_bytes=sum(a.nbytes for a in leaves))
+        pool = concurrent.futures.ThreadPoolExecutor(_hash_workers())
+        try:
+            # The checksums are computed while orbax writes.
+            futures = {n: pool.submit(marker.checksum, parts)
+                       for n, parts in marker.stored_parts(arrays).items()}
+            while not self._written.wait(0.25):
+                if progress:
+                    bar.set_bytes(_bytes_under(self.tmp))  # orbax writes into a temporary name
+            sums = {n: f.result() for n, f in futures.items()}
+        finally:
+            pool.shutdown(cancel_futures=True)  # on an interrupt: no hashing left queued
         if self._error is not None:
             error, self._error = self._error, None
             if isinstance(error, OSError):
                 raise DestinationError(f"cannot write {self.tmp / 'params'}: {error}") from error
             raise error
+        bar.finish()
         try:
             for f in copy_files:
                 shutil.copyfile(f, self.tmp / Path(f).name)
             meta = {"format": marker.FORMAT, "version": marker.VERSION,
                     "config": config.to_dict(),
-                    "arrays": {n: {"shape": list(a.shape), "dtype": marker.dtype_name(a.dtype),
-                                   "sha256": sums[n]} for n, a in arrays.items()},
+                    "arrays": {n: {"shape": list(shape), "dtype": dtype, "sha256": sums[n]}
+                               for n, (shape, dtype) in sorted(specs.items())},
                     "files": _walk(self.tmp)}
             (self.tmp / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
         except OSError as e:
@@ -268,8 +329,8 @@ def save(dst: str | Path, config: ModelConfig, params, copy_files: Iterable[Path
 
 # -- reading -------------------------------------------------------------------------
 
-def _stored_specs(params_dir: Path) -> dict:
-    """name -> (shape, dtype) from orbax's metadata, without reading any array."""
+def _metadata(params_dir: Path):
+    """orbax's metadata tree of params/ (shapes and dtypes), without reading any array."""
     import orbax.checkpoint as ocp
 
     try:
@@ -278,95 +339,170 @@ def _stored_specs(params_dir: Path) -> dict:
         raise CheckpointError(f"cannot read the array metadata in {params_dir}: {e}") from None
     tree = getattr(meta, "item_metadata", meta)
     try:
-        return marker.specs(tree)
+        marker.specs(tree)
     except (AttributeError, TypeError) as e:
         raise CheckpointError(f"{params_dir}: unexpected metadata layout ({e})") from None
+    return tree
 
 
-def restore(path: str | Path, config: ModelConfig, verify: bool = True):
-    """Params of a converted checkpoint, cast to `config.dtype`.
+def _item(name: str, spec) -> dict:
+    """The nested-dict tree holding one array at its "a/b/c" name."""
+    item: dict = {}
+    node = item
+    keys = name.split("/")
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+    node[keys[-1]] = spec
+    return item
 
-    The marker's array list and orbax's metadata are compared with the shapes and dtypes
-    `config` implies before any array is read. With `verify` (the default) each array is
-    then hashed and compared with the SHA-256 recorded at conversion; the first mismatch
-    names the array. The hashing costs about 0.6 s per GiB per core here (SHA-256 with
-    SHA-NI, arrays hashed in parallel), about 10 s single-core for an 8B bfloat16
-    checkpoint (16 GB); `verify=False` skips it. Version-1 directories have no checksums:
-    they are checked for NaN/Inf instead.
-    """
+
+def _read(params_dir: Path, item) -> dict[str, np.ndarray]:
+    """The arrays of `item` (a tree of ShapeDtypeStructs, part of params/), as NumPy
+    arrays of their stored dtype, by name."""
     import orbax.checkpoint as ocp
 
+    restore_args = jax.tree.map(
+        lambda s: ocp.RestoreArgs(restore_type=np.ndarray, dtype=s.dtype), item)
+    got = ocp.PyTreeCheckpointer().restore(params_dir, args=ocp.args.PyTreeRestore(
+        item=item, restore_args=restore_args, partial_restore=True))
+    return marker.array_names(got)
+
+
+def _groups(as_stored, layered: bool) -> list[dict]:
+    """What to restore at once: each whole-model array alone, then each layer's arrays
+    together (params/ in the decoding layout) or each stacked array alone (version 2)."""
+    if not layered:
+        return [_item(n, s) for n, s in marker.array_names(as_stored).items()]
+    decoding = jax.eval_shape(model_lib.unstack_layers, as_stored)
+    layers = sorted((k for k in decoding if k.startswith("layer_")), key=lambda k: int(k[6:]))
+    return ([_item(n, s) for n, s in marker.array_names(
+                {k: v for k, v in decoding.items() if k not in layers}).items()]
+            + [{k: decoding[k]} for k in layers])
+
+
+def restore(path: str | Path, config: ModelConfig, verify: bool = True, progress: bool = False,
+            place=None):
+    """Params of a converted checkpoint in the decoding layout, cast to `config.dtype`.
+
+    The marker's array list and orbax's metadata are compared with the shapes and dtypes
+    `config` implies before any array is read. Arrays are then read a layer at a time
+    (see module doc) and each is handed to `place` (default `jax.device_put`) as soon as
+    it is read. With `verify`
+    (the default) each stored array is hashed and compared with the SHA-256 recorded at
+    conversion; every mismatch is named. The hashing costs about 0.6 s per GiB per core
+    here and runs while the next layer is read; `verify=False` skips it. Version-1
+    directories have no checksums: they are checked for NaN/Inf instead.
+    """
+    place = jax.device_put if place is None else place
     path = Path(path).absolute()
     meta = marker.read(path)
     stored = meta["config"]
     params_dir = path / "params"
     if not params_dir.is_dir():
         raise CheckpointError(f"{path} has {MARKER} but no params/ directory")
-    target = model_lib.abstract_params(config)
-    # Restore with the dtype it was stored in, then cast: a bf16 checkpoint loads
-    # as float32 on CPU and the other way round.
+    target = np.dtype(model_lib.param_dtype(config))
+    # Read in the dtype it was stored in, then cast: a bf16 checkpoint loads as float32
+    # on CPU and the other way round.
     as_stored = model_lib.abstract_params(config.replace(dtype=stored.dtype))
     expected = marker.specs(as_stored)
     problems = []
     if meta["version"] >= 2:
         recorded = {n: (tuple(a["shape"]), a["dtype"]) for n, a in meta["arrays"].items()}
         problems += marker.compare(expected, recorded, f"the arrays list of {MARKER}")
-    problems += marker.compare(expected, _stored_specs(params_dir), "params/")
+    found_tree = _metadata(params_dir)
+    found, layout = marker.stored_specs(found_tree)
+    problems += [f"params/: {p}" for p in layout] + marker.compare(expected, found, "params/")
     if problems:
         raise CheckpointError(f"{path}: params do not match the config in {MARKER}:\n  "
                               + "\n  ".join(problems))
-    try:
-        params = ocp.StandardCheckpointer().restore(params_dir, as_stored)
-    except Exception as e:  # orbax raises several types for a damaged checkpoint
-        bad = _unreadable(params_dir, as_stored)
-        if bad:
-            raise CheckpointError(f"{params_dir}: cannot read {', '.join(bad)} (damaged params "
-                                  f"files): {bad[next(iter(bad))]}") from None
-        raise CheckpointError(f"cannot restore params from {params_dir}: {e}") from None
-    if verify:
-        _verify(path, meta, params)
-    return jax.tree.map(lambda a, t: jnp.asarray(a, t.dtype), params, target)
+    groups = _groups(as_stored, marker.is_layered(found_tree))
+    hashers = {n: hashlib.sha256() for n in expected}
+    non_finite: list[str] = []
+    checksummed = verify and meta["version"] >= 2
 
+    def check(name: str, a: np.ndarray):
+        if checksummed:
+            hashers[marker.stored_name(name)[0]].update(
+                memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)))
+        elif verify and (k := count_non_finite(a)):
+            non_finite.append(f"{name} ({k} non-finite values)")
 
-def _unreadable(params_dir: Path, abstract) -> dict[str, str]:
-    """The arrays orbax cannot read, one at a time (after a failed restore: names them)."""
-    import orbax.checkpoint as ocp
-
-    checkpointer = ocp.PyTreeCheckpointer()
-    bad = {}
-    for name, spec in marker.array_names(abstract).items():
-        item: dict = {}
-        keys = name.split("/")
-        node = item
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-        node[keys[-1]] = spec
-        restore_args = jax.tree.map(
-            lambda s: ocp.RestoreArgs(restore_type=np.ndarray, dtype=s.dtype), item)
-        try:
-            checkpointer.restore(params_dir, args=ocp.args.PyTreeRestore(
-                item=item, restore_args=restore_args, partial_restore=True))
-        except Exception as e:  # noqa: BLE001 - any failure marks the array
-            bad[name] = str(e).splitlines()[0][:300]
-    return bad
-
-
-def _verify(path: Path, meta: dict, params):
-    arrays = marker.array_names(params)
+    n_arrays = sum(len(marker.array_names(g)) for g in groups)
+    bar = Progress(n_arrays, "params", progress,
+                   total_bytes=sum(math.prod(s.shape) for s in jax.tree.leaves(as_stored))
+                   * target.itemsize)
+    params: dict = {}
+    with concurrent.futures.ThreadPoolExecutor(_hash_workers()) as pool:
+        pending: list = []
+        for item in groups:
+            try:
+                arrays = _read(params_dir, item)
+            except Exception as e:  # orbax raises several types for a damaged checkpoint
+                _raise_unreadable(params_dir, as_stored, found_tree, e)
+            # The previous group's hashes must be done before this group's update the
+            # same hashers (layer order); meanwhile this group was being read.
+            for f in pending:
+                f.result()
+            pending = [pool.submit(check, n, a) for n, a in arrays.items()]
+            for name, a in arrays.items():
+                _place(params, name, a, target, place)
+                bar.step(nbytes=a.size * target.itemsize)
+            del arrays
+        for f in pending:
+            f.result()
+    if non_finite:
+        raise CheckpointError(f"{path}: non-finite values in {', '.join(non_finite)}")
+    if not verify:
+        return params
     if meta["version"] < 2:
         warnings.warn(f"{path} was converted by an older version that recorded no checksums: "
                       "checked for NaN/Inf only; convert it again to get verification",
                       stacklevel=3)
-        bad = [f"{n} ({k} non-finite values)" for n, a in arrays.items()
-               if (k := count_non_finite(np.asarray(a)))]
-        if bad:
-            raise CheckpointError(f"{path}: non-finite values in {', '.join(bad)}")
-        return
-    with concurrent.futures.ThreadPoolExecutor(_hash_workers()) as pool:
-        got = dict(zip(arrays, pool.map(lambda a: marker.checksum(np.asarray(a)), arrays.values())))
-    bad = [n for n in arrays if got[n] != meta["arrays"][n]["sha256"]]
+        return params
+    bad = [n for n in expected if hashers[n].hexdigest() != meta["arrays"][n]["sha256"]]
     if bad:
         raise CheckpointError(
             f"{path}: checksum mismatch in {', '.join(bad)}: the params files changed after "
             "conversion (damaged or edited); convert again, or pass verify=False / --no-verify "
             "to load anyway")
+    return params
+
+
+def _place(params: dict, name: str, a: np.ndarray, target, place):
+    """One restored array into `params` (decoding layout), cast and placed; a stacked
+    array (version 2) goes in layer by layer."""
+    stored, layer = marker.stored_name(name)
+    keys = name.split("/")
+    if layer is None and keys[0] == marker.STACKED:
+        for i in range(a.shape[0]):
+            _place(params, f"layer_{i}/" + "/".join(keys[1:]), a[i], target, place)
+        return
+    node = params
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+    node[keys[-1]] = place(a if a.dtype == target else a.astype(target))
+
+
+def _raise_unreadable(params_dir: Path, as_stored, found_tree, error: Exception):
+    """After a failed read: names every array orbax cannot read (stored names)."""
+    bad = _unreadable(params_dir, found_tree, as_stored)
+    if bad:
+        raise CheckpointError(f"{params_dir}: cannot read {', '.join(bad)} (damaged params "
+                              f"files): {bad[next(iter(bad))]}") from None
+    raise CheckpointError(f"cannot restore params from {params_dir}: {error}") from None
+
+
+def _unreadable(params_dir: Path, found_tree, as_stored) -> dict[str, str]:
+    """The arrays orbax cannot read, one at a time, under their stored names."""
+    dtypes = {n: s.dtype for n, s in marker.array_names(as_stored).items()}
+    bad = {}
+    for name, spec in marker.array_names(found_tree).items():
+        stored = marker.stored_name(name)[0]
+        if stored in bad:
+            continue
+        item = _item(name, jax.ShapeDtypeStruct(tuple(spec.shape), dtypes.get(stored, spec.dtype)))
+        try:
+            _read(params_dir, item)
+        except Exception as e:  # noqa: BLE001 - any failure marks the array
+            bad[stored] = str(e).splitlines()[0][:300]
+    return {n: bad[n] for n in dtypes if n in bad}
