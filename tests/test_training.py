@@ -68,14 +68,14 @@ def test_losses_fall_and_export_reloads_identically(tmp_path):
     params = model_lib.init_params(c, jax.random.PRNGKey(0))
     tx = train_lib.optimizer(tc)
     opt_state = tx.init(params)
-    step = train_lib.make_step(c, tx, 1.0, 0.3)
+    step = train_lib.make_step(c, tx, (1.0, 0.3))
     rng = np.random.default_rng(0)
     hist = []
     for _ in range(tc.steps):
         starts = rng.integers(0, len(stream) - tc.seq_len, tc.batch)
         clean = np.stack([stream[s:s + tc.seq_len] for s in starts])
         batch = objective.noise_batch(rng, clean, c.mask_token_id)
-        params, opt_state, loss, ar, diff = step(params, opt_state, *batch)
+        params, opt_state, loss, (ar, diff) = step(params, opt_state, *batch)
         hist.append((float(ar), float(diff)))
     hist = np.asarray(hist)
     first, last = hist[:5].mean(0), hist[-5:].mean(0)

@@ -1,7 +1,9 @@
-"""Training a small self-speculative model (AR mode + masked-diffusion drafting mode).
+"""Training a small self-speculative model from scratch, for either model family.
 
-    python -m packed_ss_jax.training --out DIR --steps N --seed S
+    python -m packed_ss_jax.training --out DIR [--family nemotron|setdlm] --seed S
 
-See `objective.py` for the loss and the block-diffusion mask, `corpus.py` for the
-data, `tokenizer.py` for the tokenizer and `export.py` for the checkpoint layout.
+Nemotron-Labs-Diffusion (AR mode + masked-diffusion drafting mode): see `objective.py`
+for the loss and the block-diffusion mask. SetDLM (any-order, Qwen3 backbone): see
+`setdlm_objective.py` for the two-stream construction. `corpus.py` holds the data,
+`tokenizer.py` the tokenizer, `train.py` the loop and `export.py` the checkpoint layouts.
 """

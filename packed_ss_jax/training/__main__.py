@@ -1,4 +1,4 @@
-"""`python -m packed_ss_jax.training`: train the embedded model from scratch (seeded)."""
+"""`python -m packed_ss_jax.training`: train a small model from scratch (seeded)."""
 
 from __future__ import annotations
 
@@ -7,18 +7,21 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .train import TrainConfig
+    from .train import FAMILIES, TrainConfig
 
-    d = TrainConfig()
     p = argparse.ArgumentParser(prog="python -m packed_ss_jax.training",
-                                description="Train a small AR + diffusion-drafting model and "
-                                            "save it in the Nemotron-Labs-Diffusion layout.")
+                                description="Train a small self-speculative model (Nemotron-Labs-"
+                                            "Diffusion: AR + diffusion drafting; SetDLM: the "
+                                            "two-stream any-order objective) and save it in its "
+                                            "family's release layout.")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--batch", type=int, default=d.batch)
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--family", choices=sorted(FAMILIES), default="nemotron",
+                   help="nemotron (default; the embedded nld-tiny) or setdlm (setdlm-tiny)")
+    p.add_argument("--steps", type=int, default=None, help="default: the family's")
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--intermediate", type=int, default=640)
@@ -27,8 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval", type=int, default=0, metavar="N",
                    help="afterwards, measure accuracy and tokens/NFE on N held-out problems")
     args = p.parse_args(argv)
-    tc = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
-                     seed=args.seed)
+    given = {k: v for k, v in (("steps", args.steps), ("batch", args.batch),
+                               ("seq_len", args.seq_len), ("lr", args.lr)) if v is not None}
+    tc = TrainConfig.for_family(args.family, seed=args.seed, **given)
     model_kw = {"hidden": args.hidden, "layers": args.layers, "intermediate": args.intermediate}
     from .train import train
 

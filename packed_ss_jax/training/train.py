@@ -1,4 +1,9 @@
-"""Training loop: data streams, the jitted step, progress and loss logging, export."""
+"""Training loop: data streams, the jitted step, progress and loss logging, export.
+
+One loop for both families; `FAMILIES` holds what differs: the batch construction and
+the loss terms (`objective` for Nemotron-Labs-Diffusion, `setdlm_objective` for SetDLM),
+while the model config switches the backbone and `export` the checkpoint layout.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +23,7 @@ import optax
 
 from .. import model as model_lib
 from ..config import ModelConfig
-from . import corpus, export, objective
+from . import corpus, export, objective, setdlm_objective
 from .tokenizer import special_ids, train_tokenizer
 
 
@@ -25,15 +31,36 @@ SOURCES = ("problems", "drills", "recall", "code", "prose")
 
 
 @dataclasses.dataclass(frozen=True)
+class Family:
+    """What the training of one model family needs besides the shared loop."""
+    terms: tuple[str, ...]                 # loss terms, in the order `losses` returns them
+    objective_config: type                 # its knobs (recorded in training.json)
+    batch: Callable                        # (rng, clean [N, L], mask_id, objective config) -> arrays
+    losses: Callable                       # (config, params, *arrays) -> one value per term
+
+
+FAMILIES = {
+    "nemotron": Family(("ar", "diff"), objective.NoiseConfig, objective.noise_batch,
+                       objective.losses),
+    "setdlm": Family(("ar", "diff", "next"), setdlm_objective.OrderConfig,
+                     setdlm_objective.two_stream_batch, setdlm_objective.losses),
+}
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
+    family: str = "nemotron"
     steps: int = 3300
     batch: int = 8
     seq_len: int = 128
     lr: float = 2.5e-3
     warmup: int = 50
     weight_decay: float = 0.05
+    # Loss weights: AR (the verifier's conditional), diffusion (the drafter's) and, for
+    # SetDLM, the clean stream's auxiliary next-token loss (see setdlm_objective).
     ar_weight: float = 1.0
     diff_weight: float = 0.3
+    next_weight: float = 0.0
     mix: tuple[float, ...] = (0.6, 0.2, 0.1, 0.05, 0.05)  # weights of SOURCES
     # The first `warm_fraction` of the steps sample `warm_mix`, mostly copying sheets: a
     # model learns to look tokens up in its context (which every solution needs) from
@@ -49,25 +76,53 @@ class TrainConfig:
     log_every: int = 25
 
     def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"TrainConfig.family {self.family!r}: expected one of {sorted(FAMILIES)}")
         for name in ("mix", "warm_mix"):
             w = getattr(self, name)
             if len(w) != len(SOURCES) or min(w) < 0 or sum(w) <= 0:
                 raise ValueError(f"TrainConfig.{name} needs {len(SOURCES)} non-negative weights "
                                  f"({', '.join(SOURCES)}), not all zero; got {w}")
 
+    @classmethod
+    def for_family(cls, family: str, **overrides) -> "TrainConfig":
+        """The defaults the shipped model of `family` was trained with, then `overrides`."""
+        return cls(**(FAMILY_DEFAULTS.get(family, {}) | {"family": family} | overrides))
+
+    def weights(self) -> tuple[float, ...]:
+        """The weight of each of the family's loss terms."""
+        return tuple(getattr(self, f"{t}_weight") for t in FAMILIES[self.family].terms)
+
     def mix_at(self, step: int) -> tuple[float, ...]:
         """The sampling weights of the sources at 1-based `step`."""
         return self.warm_mix if step <= round(self.warm_fraction * self.steps) else self.mix
 
 
-def model_config(vocab: int, ids: dict, *, hidden=256, layers=4, heads=8, kv_heads=4,
-                 head_dim=32, intermediate=640, block_size=8, max_pos=1024) -> ModelConfig:
+# SetDLM: three rows per token (clean, verifier and drafter streams) instead of two, so
+# fewer steps fit the same time (and smaller source pools do: 1000 steps read 8000
+# windows). In so few steps only the arithmetic task is learned, so the mix leaves out
+# code and prose, and the copying warm-up is longer (300 steps): the model copies names
+# and numbers from the question only once it has learned it there. The drafter weighs as
+# much as the verifier.
+FAMILY_DEFAULTS = {"setdlm": {"steps": 1000, "diff_weight": 1.0, "next_weight": 0.5,
+                              "mix": (0.65, 0.2, 0.15, 0.0, 0.0),
+                              "warm_mix": (0.3, 0.1, 0.6, 0.0, 0.0), "warm_fraction": 0.3,
+                              "n_problems": 20000, "n_drills": 10000, "n_recall": 10000}}
+
+
+def model_config(vocab: int, ids: dict, *, family="nemotron", hidden=256, layers=4, heads=8,
+                 kv_heads=4, head_dim=32, intermediate=640, block_size=8,
+                 max_pos=1024) -> ModelConfig:
+    """Nemotron: a Ministral-3 backbone with an untied diffusion head; SetDLM: Qwen3 (per-head
+    q/k RMSNorm, head tied to the embedding). `block_size` is SetDLM's window W."""
+    setdlm = family == "setdlm"
     return ModelConfig(
-        family="nemotron", vocab_size=vocab, hidden_size=hidden, num_layers=layers,
+        family=family, vocab_size=vocab, hidden_size=hidden, num_layers=layers,
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        intermediate_size=intermediate, rms_norm_eps=1e-5, mask_token_id=ids["mask"],
-        eos_token_id=ids["eos"], bos_token_id=ids["bos"], block_size=block_size,
-        max_position_embeddings=max_pos, rope_theta=10000.0, tie_embeddings=False)
+        intermediate_size=intermediate, rms_norm_eps=1e-6 if setdlm else 1e-5,
+        mask_token_id=ids["mask"], eos_token_id=ids["eos"], bos_token_id=ids["bos"],
+        block_size=block_size, max_position_embeddings=max_pos, rope_theta=10000.0,
+        qk_norm=setdlm, tie_embeddings=setdlm)
 
 
 class Streams:
@@ -105,17 +160,22 @@ class Streams:
         return out
 
 
-def make_step(c: ModelConfig, tx, ar_w: float, diff_w: float):
-    def loss_fn(params, tokens, mask, dw):
-        ar, diff = objective.losses(c, params, tokens, mask, dw)
-        return ar_w * ar + diff_w * diff, (ar, diff)
+def make_step(c: ModelConfig, tx, weights: tuple[float, ...]):
+    """step(params, opt_state, *batch) -> (params, opt_state, loss, terms): one AdamW step
+    on the weighted sum of the family's loss terms (`terms`: their values, unweighted)."""
+    family = FAMILIES[c.family]
+    if len(weights) != len(family.terms):
+        raise ValueError(f"{c.family} has loss terms {family.terms}; got weights {weights}")
+
+    def loss_fn(params, *batch):
+        terms = family.losses(c, params, *batch)
+        return sum(w * t for w, t in zip(weights, terms)), terms
 
     @jax.jit
-    def step(params, opt_state, tokens, mask, dw):
-        (loss, (ar, diff)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, tokens, mask, dw)
+    def step(params, opt_state, *batch):
+        (loss, terms), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, *batch)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, ar, diff
+        return optax.apply_updates(params, updates), opt_state, loss, terms
 
     return step
 
@@ -129,17 +189,21 @@ def optimizer(tc: TrainConfig):
                                    mask=decay))
 
 
-def _bar(i, n, t0, ar, diff, width=24):
+def _bar(i, n, t0, terms: dict, width=24):
     done = int(width * i / n)
     el = time.monotonic() - t0
     eta = el / max(i, 1) * (n - i)
-    return (f"\r[{'#' * done}{'.' * (width - done)}] {i}/{n} ar {ar:.3f} diff {diff:.3f} "
+    losses = " ".join(f"{k} {v:.3f}" for k, v in terms.items())
+    return (f"\r[{'#' * done}{'.' * (width - done)}] {i}/{n} {losses} "
             f"{el / 60:5.1f}m elapsed, eta {eta / 60:4.1f}m ")
 
 
 def train(out_dir: str | Path, tc: TrainConfig = TrainConfig(), model_kw: dict | None = None,
-          max_minutes: float | None = None, quiet: bool = False, tokenizer=None):
-    """Trains from scratch and exports to `out_dir`; returns (config, params, log)."""
+          max_minutes: float | None = None, quiet: bool = False, tokenizer=None,
+          objective_config=None):
+    """Trains from scratch and exports to `out_dir`; returns (config, params, log).
+
+    objective_config: the family's `Family.objective_config` (default: its defaults)."""
     t_start = time.monotonic()
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
     if tokenizer is None:
@@ -148,7 +212,12 @@ def train(out_dir: str | Path, tc: TrainConfig = TrainConfig(), model_kw: dict |
         texts += corpus.code("train") + corpus.prose("train")
         tokenizer = train_tokenizer(texts, tc.vocab_size)
     ids = special_ids(tokenizer)
-    c = model_config(tokenizer.get_vocab_size(), ids, **(model_kw or {}))
+    family = FAMILIES[tc.family]
+    oc = objective_config if objective_config is not None else family.objective_config()
+    if not isinstance(oc, family.objective_config):
+        raise TypeError(f"objective_config for {tc.family} must be a "
+                        f"{family.objective_config.__name__}, got {type(oc).__name__}")
+    c = model_config(tokenizer.get_vocab_size(), ids, family=tc.family, **(model_kw or {}))
     streams = Streams(tokenizer, tc)
     say(f"tokenizer: {c.vocab_size} tokens; corpus tokens ({', '.join(SOURCES)}): "
         f"{streams.sizes()}; {time.monotonic() - t_start:.0f}s")
@@ -158,26 +227,25 @@ def train(out_dir: str | Path, tc: TrainConfig = TrainConfig(), model_kw: dict |
     say(f"model: {n_params / 1e6:.2f}M params, {c.num_layers} layers, hidden {c.hidden_size}")
     tx = optimizer(tc)
     opt_state = tx.init(params)
-    step = make_step(c, tx, tc.ar_weight, tc.diff_weight)
+    step = make_step(c, tx, tc.weights())
     rng = np.random.default_rng(tc.seed + 1)
 
     def next_batch(i):
         clean = streams.batch(rng, tc.batch, tc.seq_len, tc.mix_at(i))
-        return objective.noise_batch(rng, clean, c.mask_token_id)
+        return family.batch(rng, clean, c.mask_token_id, oc)
 
     log, t0 = [], time.monotonic()
-    ar_avg = diff_avg = float("nan")
     batch = next_batch(1)
     i = 0
     for i in range(1, tc.steps + 1):
-        params, opt_state, loss, ar, diff = step(params, opt_state, *batch)
+        params, opt_state, loss, terms = step(params, opt_state, *batch)
         batch = next_batch(i + 1)  # prepared while the step runs
         if i % tc.log_every == 0 or i == tc.steps or i == 1:
-            ar_avg, diff_avg = float(ar), float(diff)
-            log.append({"step": i, "ar": ar_avg, "diff": diff_avg, "loss": float(loss),
+            values = {k: float(v) for k, v in zip(family.terms, terms)}
+            log.append({"step": i, **values, "loss": float(loss),
                         "elapsed_s": round(time.monotonic() - t0, 1)})
             if not quiet:
-                sys.stderr.write(_bar(i, tc.steps, t0, ar_avg, diff_avg))
+                sys.stderr.write(_bar(i, tc.steps, t0, values))
                 if i % (tc.log_every * 10) == 0:
                     sys.stderr.write("\n")
                 sys.stderr.flush()
@@ -187,9 +255,10 @@ def train(out_dir: str | Path, tc: TrainConfig = TrainConfig(), model_kw: dict |
     jax.block_until_ready(params)
     wall = time.monotonic() - t_start
     say(f"\ntrained {i} steps in {wall / 60:.1f} min")
-    info = {"train_config": dataclasses.asdict(tc), "model": model_kw or {}, "steps_done": i,
-            "params": int(n_params), "wall_s": round(wall, 1), "log": log}
+    info = {"train_config": dataclasses.asdict(tc), "objective": dataclasses.asdict(oc),
+            "model": model_kw or {}, "steps_done": i, "params": int(n_params),
+            "wall_s": round(wall, 1), "log": log}
     if out_dir is not None:
-        export.export(out_dir, c, params, tokenizer, extra=info)
+        export.export(out_dir, c, params, tokenizer, extra=info, length=tc.seq_len)
         say(f"saved to {out_dir}")
     return c, params, info
