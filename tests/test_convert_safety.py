@@ -251,14 +251,15 @@ def test_second_signal_during_cleanup(tmp_path, nemotron_dir, monkeypatch):
 
     real_write, real_abort = store_mod.Writer.write, store_mod.Writer.abort
 
+    # raise_signal sends to this (the main) thread, and the handler runs before it returns:
+    # os.kill lets the kernel pick any thread, and the handler then runs whenever the main
+    # thread next checks, which made the moment of the signal depend on the machine's load.
     def write(self, *a, **kw):
         real_write(self, *a, **kw)
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(1)  # the handler raises here
+        signal.raise_signal(signal.SIGINT)  # the handler raises here
 
     def abort(self):
-        os.kill(os.getpid(), signal.SIGTERM)  # must not cut the cleanup short
-        time.sleep(0.1)
+        signal.raise_signal(signal.SIGTERM)  # must not cut the cleanup short
         real_abort(self)
 
     monkeypatch.setattr(store_mod.Writer, "write", write)
