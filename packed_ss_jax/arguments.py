@@ -131,6 +131,9 @@ def model_args(p: Parser) -> None:
     p.add_argument("--tokenizer", default=None,
                    help="a tokenizer.json (or its directory) for checkpoints that ship none")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--matmul-precision", choices=["default", "high", "highest"],
+                   default="default", help="matmul precision: default follows JAX (TF32 for "
+                   "float32 on GPUs); highest: full float32 products")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the checksum check of a converted --model (faster load)")
     p.add_argument("--compile-cache", metavar="DIR|off", default=None,
@@ -153,7 +156,8 @@ def load_model(args):
         raise FileNotFoundError(f"--model {args.model}: no such directory (embedded models: "
                                 f"{', '.join(loading.embedded_models())})")
     return loading.load(args.model, dtype=args.dtype, verify=not args.no_verify,
-                        base_config=args.base_config, tokenizer=args.tokenizer)
+                        base_config=args.base_config, tokenizer=args.tokenizer,
+                        matmul_precision=args.matmul_precision)
 
 
 def width_args(p: Parser) -> None:

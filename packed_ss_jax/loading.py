@@ -10,7 +10,7 @@ from . import families
 from .checkpoints import store
 from .checkpoints.errors import CheckpointError
 from .config import DTYPES, ConfigError, ModelConfig, read_hf_config
-from .model import Model
+from .model import MATMUL_PRECISIONS, Model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -92,7 +92,7 @@ def _directory(path) -> Path:
 
 def load(path: str | Path | None = None, dtype: str = "float32", lora: bool | None = None,
          progress: bool = False, base_config=None, verify: bool = True,
-         tokenizer: str | Path | None = None) -> Model:
+         tokenizer: str | Path | None = None, matmul_precision: str = "default") -> Model:
     """Loads a checkpoint directory.
 
     path:  None (default) loads the small model shipped inside the package ("nld-tiny",
@@ -113,9 +113,16 @@ def load(path: str | Path | None = None, dtype: str = "float32", lora: bool | No
            directories are always checked for NaN/Inf while they are read.
     tokenizer: a tokenizer.json (or a directory holding one) to use instead of the
            checkpoint's, e.g. the base model's for a SetDLM release that ships none.
+    matmul_precision: "default" follows `jax.default_matmul_precision` (on GPUs float32
+           operands then run as TF32; bfloat16 operands always accumulate in float32);
+           "high" or "highest" ask for more (full float32 products: what the paper's
+           FP32 SetDLM runs use). Part of the compiled programs' key.
     """
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; expected one of {DTYPES}")
+    if matmul_precision not in MATMUL_PRECISIONS:
+        raise ConfigError(f"unknown matmul_precision {matmul_precision!r}; expected one of "
+                          f"{tuple(MATMUL_PRECISIONS)}")
     path = _directory(path)
     if store.is_converted(path):
         config = store.read_config(path).replace(dtype=dtype)
@@ -139,4 +146,5 @@ def load(path: str | Path | None = None, dtype: str = "float32", lora: bool | No
             raise FileNotFoundError(f"no tokenizer.json in {tokenizer}")
     else:
         tok = _tokenizer(path)
+    config = config.replace(matmul_precision=matmul_precision)
     return Model(config=config, params=params, tokenizer=tok, source=str(path))

@@ -22,7 +22,9 @@ CACHE = 128  # prompt (< 64 tokens) + MAX_NEW
 
 @pytest.fixture(scope="module")
 def model():
-    return ps.load(SETDLM_TINY)
+    m = ps.load("setdlm-tiny")  # embedded models load by name
+    assert m.source == str(SETDLM_TINY)
+    return m
 
 
 def test_release_layout(model):
