@@ -43,6 +43,25 @@ def _prompt_sets(n_arith, n_other, max_new_arith, max_new_other):
     }
 
 
+def _add(st: dict, r) -> None:
+    st["tokens"] += len(r.tokens)
+    st["nfe"] += r.nfe
+    st["wall_s"] += r.wall_s
+
+
+def _rates(st: dict) -> None:
+    st["tokens_per_nfe"] = st["tokens"] / max(st["nfe"], 1)
+    st["tokens_per_s"] = st["tokens"] / st["wall_s"] if st["wall_s"] else float("nan")
+
+
+def _progress(on: bool, name="", done=0, total=0, t0=0.0, end=False) -> None:
+    if not on:
+        return
+    sys.stderr.write("\n" if end else
+                     f"\r{name}: {done}/{total} ({time.monotonic() - t0:.0f}s)")
+    sys.stderr.flush()
+
+
 def evaluate(model, n_arith: int = 200, n_other: int = 10, block_size: int | None = None,
              max_new_arith: int = MAX_NEW_ARITH, max_new_other: int = 48, schedules=SCHEDULES,
              progress: bool = True) -> dict:
@@ -67,24 +86,17 @@ def evaluate(model, n_arith: int = 200, n_other: int = 10, block_size: int | Non
                 r = decode(model, prompt, schedule=s, block_size=B, max_new_tokens=max_new,
                               eos_id=-1 if use_eos else None)
                 st = stats[s]
-                st["tokens"] += len(r.tokens)
-                st["nfe"] += r.nfe
-                st["wall_s"] += r.wall_s
+                _add(st, r)
                 if ref is None:
                     ref = r
                     if name == "arithmetic" and corpus.parse_answer(r.text or "") == answers[i]:
                         correct += 1
                 elif r.tokens != ref.tokens:
                     st["mismatch"] += 1
-            if progress:
-                sys.stderr.write(f"\r{name}: {i + 1}/{len(prompts)} "
-                                 f"({time.monotonic() - t0:.0f}s)")
-                sys.stderr.flush()
-        if progress:
-            sys.stderr.write("\n")
+            _progress(progress, name, i + 1, len(prompts), t0)
+        _progress(progress, end=True)
         for st in stats.values():
-            st["tokens_per_nfe"] = st["tokens"] / max(st["nfe"], 1)
-            st["tokens_per_s"] = st["tokens"] / st["wall_s"] if st["wall_s"] else float("nan")
+            _rates(st)
         entry = {"n": len(prompts), "schedules": stats}
         if name == "arithmetic":
             entry["accuracy"] = correct / len(prompts)
@@ -126,24 +138,17 @@ def evaluate_setdlm(model, n_arith: int = 200, n_other: int = 10, windows=SETDLM
                            max_new_tokens=max_new, eos_id=-1 if use_eos else None,
                            cache_size=cache_size)
                 st = stats[run_key(schedule, W, order)]
-                st["tokens"] += len(r.tokens)
-                st["nfe"] += r.nfe
-                st["wall_s"] += r.wall_s
+                _add(st, r)
                 if name == "arithmetic" and corpus.parse_answer(r.text or "") == answers[i]:
                     st["correct"] += 1
                 if ref is None:
                     ref = r
                 elif r.tokens != ref.tokens:
                     st["mismatch"] += 1
-            if progress:
-                sys.stderr.write(f"\r{name}: {i + 1}/{len(prompts)} "
-                                 f"({time.monotonic() - t0:.0f}s)")
-                sys.stderr.flush()
-        if progress:
-            sys.stderr.write("\n")
+            _progress(progress, name, i + 1, len(prompts), t0)
+        _progress(progress, end=True)
         for st in stats.values():
-            st["tokens_per_nfe"] = st["tokens"] / max(st["nfe"], 1)
-            st["tokens_per_s"] = st["tokens"] / st["wall_s"] if st["wall_s"] else float("nan")
+            _rates(st)
             if name == "arithmetic":
                 st["accuracy"] = st["correct"] / len(prompts)
             else:

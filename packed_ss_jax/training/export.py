@@ -32,10 +32,9 @@ def hf_config(c: ModelConfig, length: int = 128, pad_id: int | None = None) -> d
     return nemotron_hf_config(c)
 
 
-def nemotron_hf_config(c: ModelConfig) -> dict:
+def _backbone(c: ModelConfig) -> dict:
+    """The transformer's dimensions, named as both families' Hugging Face configs name them."""
     return {
-        "architectures": ["NemotronLabsDiffusionModel"],
-        "model_type": NEMOTRON_MODEL_TYPE,
         "vocab_size": c.vocab_size,
         "hidden_size": c.hidden_size,
         "num_hidden_layers": c.num_layers,
@@ -46,6 +45,14 @@ def nemotron_hf_config(c: ModelConfig) -> dict:
         "hidden_act": "silu",
         "rms_norm_eps": c.rms_norm_eps,
         "max_position_embeddings": c.max_position_embeddings,
+    }
+
+
+def nemotron_hf_config(c: ModelConfig) -> dict:
+    return {
+        "architectures": ["NemotronLabsDiffusionModel"],
+        "model_type": NEMOTRON_MODEL_TYPE,
+        **_backbone(c),
         "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
         "tie_word_embeddings": c.tie_embeddings,
         "mask_token_id": c.mask_token_id,
@@ -67,16 +74,7 @@ def setdlm_hf_config(c: ModelConfig, length: int, pad_id: int | None) -> dict:
     qwen3 = {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim,
-        "intermediate_size": c.intermediate_size,
-        "hidden_act": "silu",
-        "rms_norm_eps": c.rms_norm_eps,
-        "max_position_embeddings": c.max_position_embeddings,
+        **_backbone(c),
         "rope_theta": c.rope_theta,
         "rope_scaling": None,
         "attention_bias": False,
