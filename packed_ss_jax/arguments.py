@@ -139,8 +139,9 @@ def model_args(p: Parser) -> None:
                         "none")
 
 
-def load_model(args):
-    """The model the command line names (`model_args`); also applies --compile-cache."""
+def load_model(args, lora: bool | None = None):
+    """The model the command line names (`model_args`); also applies --compile-cache.
+    `lora` as `loading.load` takes it (None: the draft-only adapter if the checkpoint has one)."""
     from . import loading
     from .compile_cache import OFF, set_compile_cache
 
@@ -153,7 +154,7 @@ def load_model(args):
         raise FileNotFoundError(f"--model {args.model}: no such directory (embedded models: "
                                 f"{', '.join(loading.embedded_models())})")
     return loading.load(args.model, dtype=args.dtype, verify=not args.no_verify,
-                        base_config=args.base_config, tokenizer=args.tokenizer)
+                        base_config=args.base_config, tokenizer=args.tokenizer, lora=lora)
 
 
 def width_args(p: Parser) -> None:
