@@ -251,7 +251,8 @@ def test_sweep_over_widths_orders_and_adapter(tmp_path, monkeypatch, capsys):
     rep = r["reproducibility"]
     import jax
 
-    assert rep["argv"] == argv and rep["flags"]["block_size"] == "4,8"
+    assert rep["model"] == "nld-tiny" and rep["argv"] == argv
+    assert rep["flags"]["block_size"] == "4,8"
     assert rep["jax"] == jax.__version__ and rep["package_version"] == ps.__version__
     assert rep["device_kind"] == jax.devices()[0].device_kind
     embedded = Path(ps.__file__).parent / "embedded" / "nld-tiny"

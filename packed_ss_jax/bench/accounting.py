@@ -90,7 +90,8 @@ def lora_markdown(rows: list[dict]) -> str:
            "|" + "---|" * 14]
     for r in rows:
         acc = "-" if r["accuracy"] is None else f"{100 * r['accuracy']:.1f}%"
-        per_it = "-" if r["model_ms_per_iteration"] is None else f"{r['model_ms_per_iteration']:.3f}"
+        ms = r["model_ms_per_iteration"]
+        per_it = "-" if ms is None else f"{ms:.3f}"
         out.append(f"| {r['task']} | {r['schedule']} | {r['block_size'] or '-'} | "
                    f"{'on' if r['adapter'] else 'off'} | {r['mean_tokens']:.1f} | "
                    f"{r['mean_wall_s']:.4f} | {r['mean_model_s']:.4f} | "

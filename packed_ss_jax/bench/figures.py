@@ -146,14 +146,15 @@ def plot(results: dict, path: str) -> None:
                           + (f" x {run['samples']}" if run.get("samples", 1) > 1 else ""),
                           fontsize=8)
     if decomposition:
-        last = axes[-1]
-        for ax in last[1:]:
-            ax.axis("off")
-        ax = last[0]
+        grid = axes[-1, 0].get_gridspec()
+        for ax in axes[-1]:
+            ax.remove()
+        ax = fig.add_subplot(grid[-1, :])  # the whole last row
         labels, model, non_model = [], [], []
         for g in decomposition:
             for s, v in g["schedules"].items():
-                labels.append(f"{s}\n{g['group']}" if len(decomposition) > 1 else s)
+                labels.append(f"{s}\n{g['group']}".replace(", ", "\n")
+                              if len(decomposition) > 1 else s)
                 model.append(v["model"])
                 non_model.append(v["non_model"])
         ax.bar(labels, model, color="#48c", label="model execution")
@@ -161,7 +162,7 @@ def plot(results: dict, path: str) -> None:
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
         ax.set_title("time / Linear-SS total (tasks averaged)", fontsize=9)
         ax.legend(fontsize=7)
-        ax.tick_params(axis="x", labelsize=6)
+        ax.tick_params(axis="x", labelsize=7)
     first = runs[0]
     fig.suptitle(f"{first['model']} · " + ", ".join(dict.fromkeys(r["task"] for r in runs)))
     fig.tight_layout()

@@ -667,9 +667,13 @@ def _main(argv: list[str] | None, prog: str) -> int:
                          f"bootstrap indices than fit in memory (at most "
                          f"{MAX_BOOTSTRAP_ENTRIES:,})")
     model_dir = loading.resolve(args.model)
+    tokenizer = args.tokenizer
+    if tokenizer is not None and Path(tokenizer).is_dir():  # the file that is read
+        tokenizer = str(Path(tokenizer) / "tokenizer.json")
     record = provenance.record(argv if argv is not None else sys.argv[1:], vars(args),
-                               model_dir, {"base_config": args.base_config,
-                                           "tokenizer": args.tokenizer, "data": args.data})
+                               args.model or "nld-tiny", model_dir,
+                               {"base_config": args.base_config, "tokenizer": tokenizer,
+                                **{f"data {t}": path for t, path in data.items()}})
     record["seeds"] = {"seed": args.seed, "decode": "seed + prompt * samples + sample",
                        "bootstrap": stats.BOOTSTRAP_SEED}
 

@@ -56,8 +56,11 @@ def file_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def record(argv: list[str], flags: dict, model_dir: str | Path, extra_files: dict) -> dict:
-    """The reproducibility record of a run (saved under "reproducibility" in the JSON)."""
+def record(argv: list[str], flags: dict, model: str, model_dir: str | Path,
+           extra_files: dict) -> dict:
+    """The reproducibility record of a run (saved under "reproducibility" in the JSON).
+    `model` is the model as the command line named it (a path or an embedded model's
+    name), `model_dir` the directory it resolved to, which is hashed."""
     import jax
     import jaxlib
     import numpy as np
@@ -72,7 +75,7 @@ def record(argv: list[str], flags: dict, model_dir: str | Path, extra_files: dic
         "platform": devices[0].platform, "device_kind": devices[0].device_kind,
         "device_count": len(devices), "machine": platform.machine(),
         "argv": list(argv), "flags": dict(flags),
-        "model_dir": str(model_dir), "model_checksum": directory_sha256(model_dir),
+        "model": model, "model_checksum": directory_sha256(model_dir),
         "files_sha256": {k: file_sha256(v) for k, v in extra_files.items() if v is not None
                          and Path(v).is_file()},
     }
