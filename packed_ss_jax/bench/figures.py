@@ -139,8 +139,11 @@ def plot(results: dict, path: str) -> None:
                    color=["#c44" if s == "packed" else "#888" for s in scored])
             ax.axhline(0.0, color="k", lw=0.8, ls="--")
         else:
-            ax.text(0.5, 0.5, "N/A (unscored task)", ha="center", va="center",
+            # an unscored task, or a result saved without per-prompt correctness
+            ax.text(0.5, 0.5, "N/A (no per-prompt accuracy)", ha="center", va="center",
                     transform=ax.transAxes)
+            ax.set_xticks([])
+            ax.set_yticks([])
         ax.set_title("Δ accuracy vs Linear-SS (points)", fontsize=9)
         row[0].set_ylabel(f"{run_label(run)}\nn={run['n_prompts']}"
                           + (f" x {run['samples']}" if run.get("samples", 1) > 1 else ""),

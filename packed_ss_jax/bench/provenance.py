@@ -65,11 +65,12 @@ def record(argv: list[str], flags: dict, model: str, model_dir: str | Path,
     import jaxlib
     import numpy as np
 
-    from .. import __version__
-
+    # The package root's version: the root is initialised before any of its submodules,
+    # so it is read from there rather than imported (no module imports the root).
+    version = sys.modules[__name__.split(".")[0]].__version__
     devices = jax.devices()
     return {
-        "package": "packed-ss-jax", "package_version": __version__,
+        "package": "packed-ss-jax", "package_version": version,
         "python": platform.python_version(), "jax": jax.__version__,
         "jaxlib": jaxlib.__version__, "numpy": np.__version__,
         "platform": devices[0].platform, "device_kind": devices[0].device_kind,
