@@ -12,6 +12,13 @@ indices for every method). Compilation is excluded: every program is compiled be
 it is timed (AOT), and each schedule is warmed up on the first prompt. Widths are
 given, or chosen per schedule by the paper's throughput probe on the first prompts
 (App. F.1).
+
+One invocation can sweep widths, SetDLM verification orders, the draft-only adapter (on,
+off) and tasks; every combination is a run. Prompts can be answered several times with
+distinct seeds (App. E.4, pass@1). Beyond each run's table: paired accuracy differences
+(Table 11), the adapter's row accounting (App. F.2), the time split normalised per task
+(Figure 5), and a record of versions, device, model checksum, flags and seeds; a saved
+run is redrawn with --replot.
 """
 
 from __future__ import annotations
@@ -723,13 +730,14 @@ def _main(argv: list[str] | None, prog: str) -> int:
                     summary.update(temperature=args.temperature, repeats=args.repeats,
                                    probe=probe_rows, time_split=args.split, order=order,
                                    seed=args.seed, cache_size=capacity[task])
-                    if family.name == "nemotron":
-                        summary["lora"] = bool(model.config.lora_rank)
+                    if family.name == "nemotron" and (lora is not None
+                                                      or model.config.lora_rank):
+                        summary["lora"] = bool(model.config.lora_rank)  # the adapter is on
                     runs.append(summary)
     out = dict(runs[0]) if len(runs) == 1 else {"model": name, "family": family.name,
                                                  "runs": runs}
     out["figure5"] = figures.time_decomposition(runs)
-    if family.name == "nemotron":
+    if any("lora" in r for r in runs):  # a checkpoint with an adapter, or --lora given
         out["lora_accounting"] = accounting.lora_table(runs)
     out["reproducibility"] = record
     print(report(out))
