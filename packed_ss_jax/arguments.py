@@ -142,8 +142,9 @@ def model_args(p: Parser) -> None:
                         "none")
 
 
-def load_model(args):
-    """The model the command line names (`model_args`); also applies --compile-cache."""
+def load_model(args, lora: bool | None = None):
+    """The model the command line names (`model_args`); also applies --compile-cache.
+    `lora` as `loading.load` takes it (None: the draft-only adapter if the checkpoint has one)."""
     from . import loading
     from .compile_cache import OFF, set_compile_cache
 
@@ -157,7 +158,7 @@ def load_model(args):
                                 f"{', '.join(loading.embedded_models())})")
     return loading.load(args.model, dtype=args.dtype, verify=not args.no_verify,
                         base_config=args.base_config, tokenizer=args.tokenizer,
-                        matmul_precision=args.matmul_precision)
+                        matmul_precision=args.matmul_precision, lora=lora)
 
 
 def width_args(p: Parser) -> None:

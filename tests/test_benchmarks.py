@@ -216,6 +216,10 @@ def test_probe_picks_fastest_block_size(tmp_path, capsys):
     # the probe decodes the first ten prompts only (greedy: the same tokens at every B)
     first_ten = sum(r["per_prompt"]["packed"]["tokens"][:bench.PROBE_PROMPTS])
     assert all(x["tokens"] == first_ten for x in rows)
+    # Table 3's columns: the most rows per call (Packed-SS: 2B) and the accuracy
+    assert [x["rows_per_call"] for x in rows] == [4, 8]
+    first_ten_correct = r["per_prompt"]["packed"]["correct"][:bench.PROBE_PROMPTS]
+    assert all(x["accuracy"] == np.mean(first_ten_correct) for x in rows)
     assert "block-size probe" in capsys.readouterr().out
 
 

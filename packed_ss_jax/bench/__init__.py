@@ -1,4 +1,6 @@
 """`packed-ss bench`: the paper's measurements (tokens, NFE, tokens/NFE, time/NFE,
 throughput, the model / non-model time split, accuracy, paired bootstrap intervals) for
 chosen schedules on one task. `harness` runs and reports, `tasks` loads prompts, `scoring`
-judges answers, `stats` holds the bootstrap, `timing` the model-time split."""
+judges answers, `stats` holds the bootstrap and accuracy statistics, `timing` the
+model-time split, `accounting` the adapter's row counts, `figures` the figures from saved
+results, `provenance` the reproducibility record."""

@@ -12,6 +12,13 @@ indices for every method). Compilation is excluded: every program is compiled be
 it is timed (AOT), and each schedule is warmed up on the first prompt. Widths are
 given, or chosen per schedule by the paper's throughput probe on the first prompts
 (App. F.1).
+
+One invocation can sweep widths, SetDLM verification orders, the draft-only adapter (on,
+off) and tasks; every combination is a run. Prompts can be answered several times with
+distinct seeds (App. E.4, pass@1). Beyond each run's table: paired accuracy differences
+(Table 11), the adapter's row accounting (App. F.2), the time split normalised per task
+(Figure 5), and a record of versions, device, model checksum, flags and seeds; a saved
+run is redrawn with --replot.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import numpy as np
 from .. import api, engine, families
 from ..arguments import (Parser, UsageError, int_at_least, load_model, model_args, run_command,
                          seed as seed_arg, temperature as temperature_arg)
-from . import stats, tasks, timing
+from . import accounting, figures, provenance, stats, tasks, timing
 
 
 def _size(text: str, spec: str, flag: str, minimum: int) -> int:
@@ -67,11 +74,23 @@ def parse_probe(spec: str, minimum: int = 2) -> list[int]:
 SPLITS = ("null", "doubled")
 
 
+def sample_seed(seed: int, prompt: int, sample: int, samples: int) -> int:
+    """The seed of prompt `prompt`'s sample `sample` (of `samples`): every response of a
+    run has its own seed (App. E.4); with one sample, prompt i is decoded with seed + i."""
+    return seed + prompt * samples + sample
+
+
 def run(model, prompts, schedules, widths, *, capacity: int, temperature=0.0, seed=0,
-        max_new_tokens=None, repeats=1, split="null", order="ltr", progress=True) -> dict:
+        max_new_tokens=None, repeats=1, split="null", order="ltr", samples=1,
+        progress=True) -> dict:
     """Per schedule, per prompt: tokens, wall, NFE, model time, correctness.
 
-    With `repeats` > 1 every prompt is decoded that many times by every schedule, in
+    With `samples` > 1 every prompt is answered that many times per schedule, sample j of
+    prompt i with seed `sample_seed(seed, i, j, samples)` (App. E.4: repeated sampling at
+    temperature 1); each response is decoded and timed on its own, a prompt's tokens,
+    wall, NFE and model time are the sums over its responses and its correctness is the
+    list of their scores (pass@1 is then the mean over samples, then over prompts).
+    With `repeats` > 1 every response is decoded that many times by every schedule, in
     turn (so slow drift of the machine hits all schedules alike), and the fastest wall
     time is kept; the outputs of the repeats are identical (same seed). Unless `split`
     is None, each decode is also run with the model replaced (same repeats; see
@@ -81,54 +100,75 @@ def run(model, prompts, schedules, widths, *, capacity: int, temperature=0.0, se
     """
     if not prompts:
         raise ValueError("no prompts to run")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+    for name, value in (("repeats", repeats), ("samples", samples)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     per = {s: {"tokens": [], "wall_s": [], "nfe": [], "iterations": [], "model_s": [],
-               "correct": [], "hist": None} for s in schedules}
+               "correct": [], "max_rows": [], "hist": None} for s in schedules}
     if split is not None and split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS} or None, got {split!r}")
     other = timing.Null(model) if split == "null" else timing.Doubled(model)
 
     family = families.of(model.config)
 
-    def one(s, p, i, m=model):
-        width = widths[s] or model.config.block_size
-        return api.decode(m, p.text, schedule=s, **{family.width_name: width},
-                         order=family.orders[0] if s in family.orderless else order,
-                         max_new_tokens=max_new_tokens or p.max_new_tokens,
-                         eos_id=-1 if p.stop_at_eos else None, temperature=temperature,
-                         seed=seed + i, cache_size=capacity)
+    def width(s):
+        return widths[s] or model.config.block_size
+
+    def one(s, p, sd, m=model):
+        return api.decode(m, p.text, schedule=s, **{family.width_name: width(s)},
+                          order=family.orders[0] if s in family.orderless else order,
+                          max_new_tokens=max_new_tokens or p.max_new_tokens,
+                          eos_id=-1 if p.stop_at_eos else None, temperature=temperature,
+                          seed=sd, cache_size=capacity)
+
+    def rows_per_call(s, r):
+        if r.max_rows is not None:  # SetDLM: the decode counts its rows
+            return r.max_rows
+        return accounting.adapter_rows(s, width(s), False)["max_rows_per_call"]
 
     for s in schedules:  # warm-up: compile, and run once, outside the measurements
-        one(s, prompts[0], 0)
+        one(s, prompts[0], seed)
         if split:
-            one(s, prompts[0], 0, other)
+            one(s, prompts[0], seed, other)
     t0 = time.monotonic()
     for i, p in enumerate(prompts):
-        runs = {s: [] for s in schedules}
-        replaced = {s: [] for s in schedules}
-        for _ in range(repeats):
+        sums = {s: dict(tokens=0, wall_s=0.0, nfe=0, iterations=0, model_s=0.0, max_rows=0)
+                for s in schedules}
+        scores = {s: [] for s in schedules}
+        for j in range(samples):
+            sd = sample_seed(seed, i, j, samples)
+            runs = {s: [] for s in schedules}
+            replaced = {s: [] for s in schedules}
+            for _ in range(repeats):
+                for s in schedules:
+                    runs[s].append(one(s, p, sd))
+                    if split:
+                        replaced[s].append(one(s, p, sd, other))
             for s in schedules:
-                runs[s].append(one(s, p, i))
+                r = min(runs[s], key=lambda x: x.wall_s)
+                d, t = per[s], sums[s]
+                t["tokens"] += len(r.tokens)
+                t["wall_s"] += r.wall_s
+                t["nfe"] += r.nfe
+                t["iterations"] += r.iterations
+                t["max_rows"] = max(t["max_rows"], rows_per_call(s, r))
+                d["hist"] = r.accept_hist if d["hist"] is None else d["hist"] + r.accept_hist
                 if split:
-                    replaced[s].append(one(s, p, i, other))
+                    o = min(replaced[s], key=lambda x: x.wall_s)
+                    if split == "null":
+                        non_model = o.wall_s * (r.iterations + 1) / (o.iterations + 1)
+                        t["model_s"] += r.wall_s - non_model
+                    else:
+                        t["model_s"] += o.wall_s - r.wall_s
+                if p.score is not None:
+                    scores[s].append(bool(p.score(r.text if r.text is not None else "")))
         for s in schedules:
-            r = min(runs[s], key=lambda x: x.wall_s)
             d = per[s]
-            d["tokens"].append(len(r.tokens))
-            d["wall_s"].append(r.wall_s)
-            d["nfe"].append(r.nfe)
-            d["iterations"].append(r.iterations)
-            d["hist"] = r.accept_hist if d["hist"] is None else d["hist"] + r.accept_hist
-            if split:
-                o = min(replaced[s], key=lambda x: x.wall_s)
-                if split == "null":
-                    non_model = o.wall_s * (r.iterations + 1) / (o.iterations + 1)
-                    d["model_s"].append(r.wall_s - non_model)
-                else:
-                    d["model_s"].append(o.wall_s - r.wall_s)
+            for k, v in sums[s].items():
+                if k != "model_s" or split:
+                    d[k].append(v)
             if p.score is not None:
-                d["correct"].append(bool(p.score(r.text if r.text is not None else "")))
+                d["correct"].append(scores[s][0] if samples == 1 else scores[s])
         if progress:
             sys.stderr.write(f"\rprompts {i + 1}/{len(prompts)} ({time.monotonic() - t0:.0f}s)")
             sys.stderr.flush()
@@ -155,8 +195,13 @@ def probe(model, prompts, schedules, sizes, fixed, *, progress=True, **kw) -> tu
             d = run(model, prompts[:PROBE_PROMPTS], [s], {s: B}, split=None,
                     progress=False, **kw)[s]
             tok, wall, nfe = sum(d["tokens"]), sum(d["wall_s"]), sum(d["nfe"])
-            rows.append({"schedule": s, "width": B, "tokens": tok, "wall_s": wall,
-                         "nfe": nfe, "tokens_per_nfe": tok / nfe, "throughput_tok_s": tok / wall})
+            n = len(d["tokens"])
+            rows.append({"schedule": s, "width": B, "prompts": n, "tokens": tok,
+                         "wall_s": wall, "nfe": nfe, "mean_tokens": tok / n,
+                         "mean_wall_s": wall / n, "mean_nfe": nfe / n,
+                         "tokens_per_nfe": tok / nfe, "throughput_tok_s": tok / wall,
+                         "rows_per_call": max(d["max_rows"]),
+                         "accuracy": stats.pass_at_1(d["correct"]) if d["correct"] else None})
             if best is None or tok / wall > best[1]:
                 best = (B, tok / wall)
             if progress:
@@ -167,13 +212,18 @@ def probe(model, prompts, schedules, sizes, fixed, *, progress=True, **kw) -> tu
 
 
 def probe_markdown(rows: list, chosen: dict, width_label: str = "B") -> str:
+    """Table 3's layout: means per response, rates from totals, the most input rows in
+    one call after the first, accuracy for comparison, and the size chosen."""
     out = [f"block-size probe (first {PROBE_PROMPTS} prompts; App. F.1):",
-           f"| schedule | {width_label} | tokens/NFE | throughput (tok/s) | chosen |",
-           "|---|---|---|---|---|"]
+           f"| schedule | {width_label} | tokens | wall (s) | NFE | tokens/NFE | "
+           "throughput (tok/s) | rows/call | accuracy | chosen |",
+           "|" + "---|" * 10]
     for r in rows:
         mark = "yes" if chosen.get(r["schedule"]) == r["width"] else ""
-        out.append(f"| {r['schedule']} | {r['width']} | {r['tokens_per_nfe']:.2f} | "
-                   f"{r['throughput_tok_s']:.1f} | {mark} |")
+        acc = "-" if r.get("accuracy") is None else f"{100 * r['accuracy']:.1f}%"
+        out.append(f"| {r['schedule']} | {r['width']} | {r['mean_tokens']:.1f} | "
+                   f"{r['mean_wall_s']:.4f} | {r['mean_nfe']:.1f} | {r['tokens_per_nfe']:.2f} | "
+                   f"{r['throughput_tok_s']:.1f} | {r['rows_per_call']} | {acc} | {mark} |")
     return "\n".join(out)
 
 
@@ -191,9 +241,14 @@ def cache_size_for(model, prompts, max_new_tokens=None) -> int:
 
 
 def summarize(model_name: str, task: str, per: dict, widths, config_width: int,
-              resamples: int = stats.RESAMPLES, family: str = "nemotron") -> dict:
-    if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 1:
-        raise ValueError(f"resamples must be an integer >= 1, got {resamples!r}")
+              resamples: int = stats.RESAMPLES, family: str = "nemotron",
+              samples: int = 1) -> dict:
+    """The run's table: totals and rates per schedule (means per response), and Packed-SS
+    against each baseline with paired bootstrap intervals over prompts (every response
+    of a resampled prompt included; the wall difference is per response)."""
+    for name, value in (("resamples", resamples), ("samples", samples)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     n = len(next(iter(per.values()))["tokens"])
     fam = families.FAMILIES[family]
     results = {}
@@ -202,7 +257,7 @@ def summarize(model_name: str, task: str, per: dict, widths, config_width: int,
         model_s = float(np.sum(d["model_s"]))
         results[s] = {
             fam.width_name: None if s == fam.reference else (widths[s] or config_width),
-            "tokens": int(tokens.sum()), "mean_tokens": float(tokens.mean()),
+            "tokens": int(tokens.sum()), "mean_tokens": float(tokens.mean() / samples),
             "wall_s": float(wall.sum()), "nfe": int(nfe.sum()),
             "tokens_per_nfe": float(tokens.sum() / nfe.sum()),
             "time_per_nfe_ms": float(1e3 * wall.sum() / nfe.sum()),
@@ -211,23 +266,39 @@ def summarize(model_name: str, task: str, per: dict, widths, config_width: int,
             "non_model_time_s": float(wall.sum() - model_s),
             "non_model_fraction": float(1 - model_s / wall.sum()),
             "accept_hist": [int(x) for x in d["hist"]],
-            "accuracy": float(np.mean(d["correct"])) if d["correct"] else None,
+            "accuracy": stats.pass_at_1(d["correct"]) if d["correct"] else None,
+            "max_rows_per_call": max(d["max_rows"]) if d.get("max_rows") else None,
         }
     idx = stats.resample_indices(n, resamples)
     paired, figure3 = {}, {}
+    scored = {s for s, d in per.items() if d["correct"]}
     if "packed" in per:
         for s in per:
             if s != "packed":
-                paired[f"packed_vs_{s}"] = stats.paired(per["packed"], per[s], idx)
+                p = stats.paired(per["packed"], per[s], idx)
+                p["wall_diff_s"] /= samples  # per prompt -> per response
+                p["wall_diff_ci95"] = [x / samples for x in p["wall_diff_ci95"]]
+                paired[f"packed_vs_{s}"] = p
+                if {"packed", s} <= scored:  # Table 11: accuracy differences
+                    acc = stats.paired_accuracy(per["packed"]["correct"], per[s]["correct"], idx)
+                    paired[f"packed_vs_{s}"].update(accuracy_diff_pp=acc["diff_pp"],
+                                                    accuracy_diff_ci95_pp=acc["ci95_pp"])
     if "linear" in per:
         figure3 = {s: stats.ratio_to(per[s], per["linear"], idx) for s in per}
+        for s in per:  # the accuracy-difference panel of Figures 3/4
+            if {"linear", s} <= scored:
+                acc = stats.paired_accuracy(per[s]["correct"], per["linear"]["correct"], idx)
+                figure3[s]["accuracy_diff_pp"] = {"diff": acc["diff_pp"], "ci95": acc["ci95_pp"]}
     return {"model": model_name, "family": family, "width_name": fam.width_name, "task": task,
-            "n_prompts": n, "results": results,
+            "n_prompts": n, "samples": samples, "results": results,
             "paired": paired, "ratios_to_linear": figure3, "bootstrap_resamples": resamples,
             "warmup": "each schedule decoded the first prompt once before timing; "
                       "compilation is ahead of time and never inside wall_s",
-            "wall_s_is": "per prompt, the fastest of `repeats` identical decodes",
-            "per_prompt": {s: {k: d[k] for k in ("tokens", "wall_s", "nfe")} for s, d in per.items()}}
+            "wall_s_is": "per prompt, the sum over its responses of the fastest of `repeats` "
+                         "identical decodes",
+            "per_prompt": {s: {k: d[k] for k in ("tokens", "wall_s", "nfe", "iterations",
+                                                 "model_s", "correct") if k in d}
+                           for s, d in per.items()}}
 
 
 def markdown(summary: dict) -> str:
@@ -243,13 +314,18 @@ def markdown(summary: dict) -> str:
                     f"{r['time_per_nfe_ms']:.2f} | {r['throughput_tok_s']:.1f} | "
                     f"{100 * r['non_model_fraction']:.1f}% | {acc} |")
     if summary["paired"]:
-        rows += ["", "| Packed-SS vs | throughput ratio [95% CI] | wall diff per prompt (s) [95% CI] |",
-                 "|---|---|---|"]
+        rows += ["", "| Packed-SS vs | throughput ratio [95% CI] | wall diff per response (s) "
+                 "[95% CI] | accuracy diff (points) [95% CI] |", "|---|---|---|---|"]
         for name, p in summary["paired"].items():
             lo, hi = p["throughput_ratio_ci95"]
             dlo, dhi = p["wall_diff_ci95"]
+            acc = "-"
+            if "accuracy_diff_pp" in p:
+                alo, ahi = p["accuracy_diff_ci95_pp"]
+                acc = f"{p['accuracy_diff_pp']:+.1f} [{alo:+.1f}, {ahi:+.1f}]"
             rows.append(f"| {name.removeprefix('packed_vs_')} | {p['throughput_ratio']:.3f} "
-                        f"[{lo:.3f}, {hi:.3f}] | {p['wall_diff_s']:+.4f} [{dlo:+.4f}, {dhi:+.4f}] |")
+                        f"[{lo:.3f}, {hi:.3f}] | {p['wall_diff_s']:+.4f} [{dlo:+.4f}, {dhi:+.4f}] "
+                        f"| {acc} |")
     hist = ["", "accepted tokens per iteration (histogram, index = tokens):"]
     for s, r in summary["results"].items():
         hist.append(f"  {s}: {r['accept_hist']}")
@@ -259,42 +335,19 @@ def markdown(summary: dict) -> str:
 def check_plot(path: str, schedules) -> None:
     """What --plot needs, checked before the run: Linear-SS (the ratios' baseline),
     matplotlib, and an image format it writes."""
-    if "linear" not in schedules:
+    if schedules is not None and "linear" not in schedules:
         raise UsageError("--plot needs linear among --schedules (ratios are to Linear-SS)")
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        from matplotlib.figure import Figure
+        figures.check_writable_format(path)
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install matplotlib") from None
-    ext = Path(path).suffix.lstrip(".").lower()
-    formats = Figure().canvas.get_supported_filetypes()
-    if ext and ext not in formats:
-        raise UsageError(f"--plot {path}: matplotlib cannot write {ext!r} files; use one of "
-                         f"{sorted(formats)}")
+    except ValueError as e:
+        raise UsageError(f"--plot {path}: {e}") from None
 
 
-def plot(summary: dict, path: str) -> None:
-    """Figure 3: throughput, tokens/NFE and time/NFE as ratios to Linear-SS, 95% error bars."""
-    check_plot(path, list(summary["results"]))
-    import matplotlib.pyplot as plt
-
-    ratios = summary["ratios_to_linear"]
-    names = list(ratios)
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
-    for ax, (metric, title) in zip(axes, [("throughput", "throughput"),
-                                          ("tokens_per_nfe", "tokens / NFE"),
-                                          ("time_per_nfe", "time / NFE")]):
-        vals = [ratios[s][metric]["ratio"] for s in names]
-        lo = [v - ratios[s][metric]["ci95"][0] for s, v in zip(names, vals)]
-        hi = [ratios[s][metric]["ci95"][1] - v for s, v in zip(names, vals)]
-        ax.bar(names, vals, yerr=[lo, hi], capsize=4,
-               color=["#888" if s != "packed" else "#c44" for s in names])
-        ax.axhline(1.0, color="k", lw=0.8, ls="--")
-        ax.set_title(f"{title} (ratio to Linear-SS)")
-    fig.suptitle(f"{summary['model']} · {summary['task']} · n={summary['n_prompts']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def plot(results: dict, path: str) -> None:
+    """Figures 3/4 (a row per run) and Figure 5; see `figures.plot`."""
+    figures.plot(results, path)
 
 
 def profile(model, prompt, schedules, widths, out_dir: str, max_new: int = 32) -> None:
@@ -367,21 +420,154 @@ def main(argv: list[str] | None = None, prog: str = "packed-ss bench") -> int:
     return run_command(prog, _main, argv)
 
 
+
+
+def parse_width_sweep(spec: str | None, schedules, flag: str, minimum: int) -> list[dict]:
+    """'8' or 'packed=32,linear=8': one width setting; '8,16' (sizes only): one setting per
+    size, each for every schedule (a sweep, e.g. Tables 8-10's W = 8 and 16)."""
+    if spec and "=" not in spec and "," in spec:
+        sizes = [_size(x, spec, flag, minimum) for x in spec.split(",") if x.strip()]
+        if not sizes:
+            raise ValueError(f"{flag}: no sizes in {spec!r}")
+        return [{s: B for s in schedules} for B in dict.fromkeys(sizes)]
+    return [parse_widths(spec, schedules, flag, minimum)]
+
+
+def parse_names(spec: str, flag: str, allowed) -> list[str]:
+    """'a,b' -> ['a', 'b'], each one of `allowed`, duplicates dropped, at least one."""
+    names = list(dict.fromkeys(x.strip() for x in spec.split(",") if x.strip()))
+    bad = [x for x in names if x not in allowed]
+    if bad or not names:
+        raise UsageError(f"{flag}: {'unknown ' + str(bad) if bad else 'none given'}; "
+                         f"expected one or more of {list(allowed)}")
+    return names
+
+
+def parse_data(spec: str | None, names: list[str]) -> dict[str, str | None]:
+    """--data: the file of the one file task among the tasks, or TASK=PATH,TASK=PATH."""
+    files = [t for t in names if t in tasks.FILE_TASKS]
+    out = {t: None for t in names}
+    if spec is None:
+        return out
+    if not files:
+        raise UsageError(f"--data is for the file tasks {sorted(tasks.FILE_TASKS)}; "
+                         f"tasks {names} are generated offline")
+    if len(files) == 1:
+        out[files[0]] = spec.removeprefix(files[0] + "=")
+        return out
+    for part in filter(None, (x.strip() for x in spec.split(","))):
+        task, eq, path = part.partition("=")
+        if not eq or task not in files:
+            raise UsageError(f"--data: with several file tasks give TASK=PATH for each of "
+                             f"{files}, got {part!r}")
+        out[task] = path
+    return out
+
+
+def sweep_markdown(runs: list[dict]) -> str:
+    """Tables 8-10's layout for a sweep: per run (task, width, order, adapter) and schedule,
+    means per response and rates from totals, then Packed-SS against the schedule with
+    paired 95% intervals (throughput ratio, wall difference, accuracy difference)."""
+    out = ["| run | schedule | tokens | wall (s) | NFE | tokens/NFE | time/NFE (ms) | "
+           "throughput (tok/s) | accuracy | Packed-SS / it, throughput [95% CI] | "
+           "Packed-SS - it, wall (s) [95% CI] | Packed-SS - it, accuracy (points) [95% CI] |",
+           "|" + "---|" * 12]
+    for run in runs:
+        n = run["n_prompts"] * run.get("samples", 1)
+        label = figures.run_label(run)
+        for s, r in run["results"].items():
+            acc = "-" if r["accuracy"] is None else f"{100 * r['accuracy']:.1f}%"
+            cells = ["-", "-", "-"]
+            p = run["paired"].get(f"packed_vs_{s}")
+            if p:
+                lo, hi = p["throughput_ratio_ci95"]
+                dlo, dhi = p["wall_diff_ci95"]
+                cells[0] = f"{p['throughput_ratio']:.3f} [{lo:.3f}, {hi:.3f}]"
+                cells[1] = f"{p['wall_diff_s']:+.4f} [{dlo:+.4f}, {dhi:+.4f}]"
+                if "accuracy_diff_pp" in p:
+                    alo, ahi = p["accuracy_diff_ci95_pp"]
+                    cells[2] = f"{p['accuracy_diff_pp']:+.1f} [{alo:+.1f}, {ahi:+.1f}]"
+            out.append(f"| {label} | {s} | {r['tokens'] / n:.1f} | {r['wall_s'] / n:.4f} | "
+                       f"{r['nfe'] / n:.1f} | {r['tokens_per_nfe']:.2f} | "
+                       f"{r['time_per_nfe_ms']:.2f} | {r['throughput_tok_s']:.1f} | {acc} | "
+                       + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def report(results: dict) -> str:
+    """Everything a run prints: each run's table, the sweep table, Figure 5's numbers and
+    the adapter accounting (also what --replot prints from a saved run)."""
+    runs = figures.runs_of(results)
+    parts = []
+    for run in runs:
+        if len(runs) > 1:
+            parts.append(f"### {figures.run_label(run)}")
+        if run.get("probe"):
+            chosen = {s: r.get(run.get("width_name", "block_size"))
+                      for s, r in run["results"].items()}
+            symbol = "W" if run.get("width_name") == "window" else "B"
+            parts.append(probe_markdown(run["probe"], chosen, symbol))
+        parts.append(markdown(run))
+    if len(runs) > 1:
+        parts.append(sweep_markdown(runs))
+    if results.get("figure5"):
+        parts.append(figures.decomposition_markdown(results["figure5"]))
+    if results.get("lora_accounting"):
+        parts.append(accounting.lora_markdown(results["lora_accounting"]))
+    return "\n\n".join(parts)
+
+
+def replot(path: str, plot_path: str | None) -> int:
+    """--replot: the tables and the figure of a saved run, without decoding."""
+    if plot_path is None:
+        raise UsageError("--replot needs --plot FILE (where to draw the figure)")
+    check_output_file(plot_path, "--plot")
+    check_distinct({"--replot": path, "--plot": plot_path})
+    check_plot(plot_path, None)
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"--replot {path}: no such file")
+    try:
+        results = json.loads(p.read_text(encoding="utf-8"))
+        figures.runs_of(results)
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
+        raise UsageError(f"--replot {path}: not a packed-ss bench result ({e})") from None
+    try:
+        print(report(results))
+        plot(results, plot_path)
+    except (KeyError, TypeError, IndexError, AttributeError) as e:
+        raise UsageError(f"--replot {path}: a field the figure needs is missing or "
+                         f"malformed ({type(e).__name__}: {e})") from None
+    except ValueError as e:
+        raise UsageError(f"--replot {path}: {e}") from None
+    print(f"figure written to {plot_path}", file=sys.stderr)
+    return 0
+
+
+LORA_SETTINGS = {"on": True, "off": False}
+
+
 def _main(argv: list[str] | None, prog: str) -> int:
     p = Parser(prog=prog, description=__doc__.split("\n\n")[0])
     model_args(p)
+    all_tasks = sorted(tasks.OFFLINE_TASKS) + sorted(tasks.FILE_TASKS)
     p.add_argument("--task", default="arithmetic",
-                   choices=sorted(tasks.OFFLINE_TASKS) + sorted(tasks.FILE_TASKS),
-                   help=f"one of {sorted(tasks.OFFLINE_TASKS) + sorted(tasks.FILE_TASKS)}")
-    p.add_argument("--data", help="local task file in its public jsonl format (paper tasks)")
+                   help=f"one of {all_tasks}, or several comma-separated (Figure 5 averages "
+                        f"the time split over them)")
+    p.add_argument("--data", help="local task file in its public jsonl format (paper tasks); "
+                                  "with several file tasks TASK=PATH,TASK=PATH")
     p.add_argument("--schedules", default=None,
                    help="comma-separated (default: every schedule of the model's family)")
     p.add_argument("--block-size", help="Nemotron-Labs-Diffusion: B for all, or per schedule: "
-                                        "packed=32,linear=32,quadratic=8")
-    p.add_argument("--window", help="SetDLM: W for all, or per schedule: packed=8,linear=8")
+                                        "packed=32,linear=32,quadratic=8, or a sweep: 4,8")
+    p.add_argument("--window", help="SetDLM: W for all, or per schedule: packed=8,linear=8, "
+                                    "or a sweep: 8,16")
     p.add_argument("--order", default=None,
                    help="SetDLM: verification order of the speculative schedules, ltr "
-                        "(default) or confidence")
+                        "(default), confidence, or both: ltr,confidence")
+    p.add_argument("--lora", default=None,
+                   help="Nemotron-Labs-Diffusion with a draft-only adapter: on, off, or on,off "
+                        "(both, with the adapter's row accounting; App. F.2)")
     p.add_argument("--probe", metavar="SIZES",
                    help=f"choose each schedule's width as in App. F.1: the highest throughput "
                         f"on the first {PROBE_PROMPTS} prompts among these sizes, e.g. 4,8,16 "
@@ -389,6 +575,9 @@ def _main(argv: list[str] | None, prog: str) -> int:
     p.add_argument("--repeats", type=int_at_least(1), default=1,
                    help="decode each prompt this many times per schedule and keep the fastest "
                         "wall time (less timing noise; tokens are identical)")
+    p.add_argument("--samples", type=int_at_least(1), default=1,
+                   help="responses per prompt, each with its own seed (App. E.4; needs "
+                        "--temperature > 0); accuracy is then pass@1, the mean over samples")
     p.add_argument("--split", choices=SPLITS, default="null",
                    help="how the model / non-model time split is measured: null (a decode whose "
                         "forward computes nothing) or doubled (every forward done twice)")
@@ -398,25 +587,32 @@ def _main(argv: list[str] | None, prog: str) -> int:
                    help="override the task's output cap")
     p.add_argument("--temperature", type=temperature_arg, default=0.0)
     p.add_argument("--seed", type=seed_arg, default=0,
-                   help="prompt i is decoded with seed + i")
+                   help="sample j of prompt i is decoded with seed + i * samples + j")
     p.add_argument("--resamples", type=int_at_least(1), default=stats.RESAMPLES,
                    help=f"bootstrap resamples (at least 1; default {stats.RESAMPLES})")
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--plot", help="write Figure 3 (ratios to Linear-SS) here (PNG)")
+    p.add_argument("--plot", help="write Figures 3/4 (ratios to Linear-SS, accuracy "
+                                  "difference) and 5 (time split) here (PNG)")
+    p.add_argument("--replot", metavar="RESULTS_JSON",
+                   help="draw --plot from a saved --json run, without decoding")
     p.add_argument("--profile", help="write a jax.profiler trace and optimised HLO here")
     args = p.parse_args(argv)
+    if args.replot is not None:
+        return replot(args.replot, args.plot)
 
     # Everything that can be checked without the model's weights, before they are read:
     # the command line, the output paths, the task, and the config (for the family).
-    if args.data is not None and args.task in tasks.OFFLINE_TASKS:
-        raise UsageError(f"--data is for the file tasks {sorted(tasks.FILE_TASKS)}; "
-                         f"task {args.task!r} is generated offline")
+    task_names = parse_names(args.task, "--task", all_tasks)
+    data = parse_data(args.data, task_names)
     for flag in ("--json", "--plot"):
         if getattr(args, flag[2:]):
             check_output_file(getattr(args, flag[2:]), flag)
     if args.profile:
         check_output_dir(args.profile, "--profile")
     check_distinct({"--json": args.json, "--plot": args.plot, "--profile": args.profile})
+    if args.samples > 1 and args.temperature == 0:
+        raise UsageError(f"--samples {args.samples}: greedy decoding (--temperature 0) gives "
+                         f"the same response every time; sample with --temperature > 0")
     from .. import loading
 
     config = loading.read_config(args.model, dtype=args.dtype, base_config=args.base_config)
@@ -433,63 +629,125 @@ def _main(argv: list[str] | None, prog: str) -> int:
     if other:
         raise UsageError(f"{other[0]} is for other model families; this {family.title} model "
                          f"takes {flag}")
-    if args.order is not None and args.order not in family.orders:
-        raise UsageError(f"--order {args.order}: {family.title} models verify in order "
-                         f"{', '.join(family.orders)}")
+    orders = [family.orders[0]]
+    if args.order is not None:
+        try:
+            orders = parse_names(args.order, "--order", family.orders)
+        except UsageError:
+            raise UsageError(f"--order {args.order}: {family.title} models verify in order "
+                             f"{', '.join(family.orders)}") from None
+    loras = [None]
+    if args.lora is not None:
+        if family.name != "nemotron":
+            raise UsageError(f"--lora: {family.title} checkpoints have no draft-only adapter")
+        loras = [LORA_SETTINGS[x] for x in parse_names(args.lora, "--lora", LORA_SETTINGS)]
+    if args.temperature > 0:
+        greedy_only = [s for s in schedules if s not in family.sampled] + \
+            [o for o in orders if o != family.orders[0]]
+        if greedy_only:
+            raise UsageError(f"{family.title} models sample (--temperature > 0) with "
+                             f"{list(family.sampled)} in {family.orders[0]} order only; drop "
+                             f"{greedy_only}")
     if args.plot:
         check_plot(args.plot, schedules)
     try:
-        widths = parse_widths(getattr(args, family.width_name), schedules, flag, family.min_width)
+        width_sets = parse_width_sweep(getattr(args, family.width_name), schedules, flag,
+                                       family.min_width)
         sizes = parse_probe(args.probe, family.min_width) if args.probe else []
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if sizes and len(width_sets) > 1:
+        raise UsageError(f"--probe chooses the widths; a sweep of {flag} sizes fixes them: "
+                         f"give one or the other")
+    widths = width_sets[0]
     if sizes and all(s == family.reference or widths[s] for s in schedules):
         raise UsageError(f"--probe: every schedule's width is already fixed by {flag} (or only "
                          f"{family.reference} is run); nothing to probe")
-    prompts = tasks.load(args.task, args.data, args.limit)
-    if args.seed + len(prompts) - 1 >= 2**32:
-        raise UsageError(f"--seed {args.seed}: prompt i is decoded with seed + i, which must "
-                         f"stay below 2**32 for all {len(prompts)} prompts")
-    if args.resamples * len(prompts) > MAX_BOOTSTRAP_ENTRIES:
-        raise UsageError(f"--resamples {args.resamples} x {len(prompts)} prompts is more "
+    prompt_sets = {t: tasks.load(t, data[t], args.limit) for t in task_names}
+    most = max(len(v) for v in prompt_sets.values())
+    if args.seed + most * args.samples - 1 >= 2**32:
+        raise UsageError(f"--seed {args.seed}: sample j of prompt i is decoded with seed + i * "
+                         f"samples + j, which must stay below 2**32 for all {most} prompts "
+                         f"x {args.samples} samples")
+    if args.resamples * most > MAX_BOOTSTRAP_ENTRIES:
+        raise UsageError(f"--resamples {args.resamples} x {most} prompts is more "
                          f"bootstrap indices than fit in memory (at most "
                          f"{MAX_BOOTSTRAP_ENTRIES:,})")
+    model_dir = loading.resolve(args.model)
+    tokenizer = args.tokenizer
+    if tokenizer is not None and Path(tokenizer).is_dir():  # the file that is read
+        tokenizer = str(Path(tokenizer) / "tokenizer.json")
+    record = provenance.record(argv if argv is not None else sys.argv[1:], vars(args),
+                               args.model or "nld-tiny", model_dir,
+                               {"base_config": args.base_config, "tokenizer": tokenizer,
+                                **{f"data {t}": path for t, path in data.items()}})
+    record["seeds"] = {"seed": args.seed, "decode": "seed + prompt * samples + sample",
+                       "bootstrap": stats.BOOTSTRAP_SEED}
 
-    model = load_model(args)
-    capacity = cache_size_for(model, prompts, args.max_new_tokens)
-    # Checked before anything is compiled: every width (and probed size) fits the cache.
-    fixed = {s: widths[s] or config.block_size for s in schedules
-             if s != family.reference and not (sizes and not widths[s])}  # probed: below
-    used = {f"{s} {flag}={B}": B for s, B in fixed.items()}
-    used.update({f"--probe {B}": B for B in sizes})
-    too_big = [name for name, B in used.items() if B > capacity]
-    if too_big:
-        raise UsageError(f"widths larger than the task's cache ({capacity} slots): "
-                         f"{', '.join(too_big)}")
     name = args.model or "embedded"
-    order = args.order or family.orders[0]
-    print(f"{name}: {len(prompts)} {args.task} prompts, schedules {schedules}, "
-          f"temperature {args.temperature}", file=sys.stderr)
-    kw = dict(temperature=args.temperature, seed=args.seed, max_new_tokens=args.max_new_tokens,
-              repeats=args.repeats, capacity=capacity, order=order)
-    probe_rows = []
-    label = family.width_symbol
-    if sizes:
-        widths, probe_rows = probe(model, prompts, schedules, sizes, widths, **kw)
-        print(probe_markdown(probe_rows, widths, label) + "\n")
-    per = run(model, prompts, schedules, widths, split=args.split, **kw)
-    summary = summarize(name, args.task, per, widths, config.block_size, args.resamples,
-                        family=family.name)
-    summary.update(temperature=args.temperature, repeats=args.repeats, probe=probe_rows,
-                   time_split=args.split, order=order)
-    print(markdown(summary))
+    runs, first = [], None
+    for lora in loras:
+        model = load_model(args, lora=lora)
+        capacity = {t: cache_size_for(model, ps, args.max_new_tokens)
+                    for t, ps in prompt_sets.items()}
+        if first is None:
+            first = model
+            # Checked before anything is compiled: every width (and probed size) fits.
+            used = {}
+            for ws in width_sets:
+                used.update({f"{s} {flag}={ws[s] or config.block_size}": ws[s] or config.block_size
+                             for s in schedules if s != family.reference
+                             and not (sizes and not ws[s])})
+            used.update({f"--probe {B}": B for B in sizes})
+            room = min(capacity.values())
+            too_big = [n for n, B in used.items() if B > room]
+            if too_big:
+                raise UsageError(f"widths larger than the task's cache ({room} slots): "
+                                 f"{', '.join(too_big)}")
+        for task, prompts in prompt_sets.items():
+            for ws in width_sets:
+                for order in orders:
+                    # Orderless schedules (the reference, native) decode the same in every
+                    # order: they run with the first order only.
+                    run_schedules = schedules if order == orders[0] else \
+                        [s for s in schedules if s not in family.orderless]
+                    print(f"{name}: {len(prompts)} {task} prompts"
+                          + (f" x {args.samples} samples" if args.samples > 1 else "")
+                          + f", schedules {run_schedules}, order {order}, temperature "
+                          f"{args.temperature}" + ("" if lora is None else
+                                                   f", adapter {'on' if lora else 'off'}"),
+                          file=sys.stderr)
+                    kw = dict(temperature=args.temperature, seed=args.seed,
+                              max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                              capacity=capacity[task], order=order, samples=args.samples)
+                    used_widths, probe_rows = {s: ws[s] for s in run_schedules}, []
+                    if sizes:
+                        used_widths, probe_rows = probe(model, prompts, run_schedules, sizes,
+                                                        used_widths, **kw)
+                    per = run(model, prompts, run_schedules, used_widths, split=args.split, **kw)
+                    summary = summarize(name, task, per, used_widths, config.block_size,
+                                        args.resamples, family=family.name, samples=args.samples)
+                    summary.update(temperature=args.temperature, repeats=args.repeats,
+                                   probe=probe_rows, time_split=args.split, order=order,
+                                   seed=args.seed, cache_size=capacity[task])
+                    if family.name == "nemotron" and (lora is not None
+                                                      or model.config.lora_rank):
+                        summary["lora"] = bool(model.config.lora_rank)  # the adapter is on
+                    runs.append(summary)
+    out = dict(runs[0]) if len(runs) == 1 else {"model": name, "family": family.name,
+                                                 "runs": runs}
+    out["figure5"] = figures.time_decomposition(runs)
+    if any("lora" in r for r in runs):  # a checkpoint with an adapter, or --lora given
+        out["lora_accounting"] = accounting.lora_table(runs)
+    out["reproducibility"] = record
+    print(report(out))
     if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     if args.plot:
-        plot(summary, args.plot)
+        plot(out, args.plot)
     if args.profile:
-        profile(model, prompts[0].text, schedules,
-                {s: widths[s] or config.block_size for s in schedules}, args.profile)
+        widths = {s: widths[s] or config.block_size for s in schedules}
+        profile(first, next(iter(prompt_sets.values()))[0].text, schedules, widths, args.profile)
         print(f"profile written to {args.profile}", file=sys.stderr)
     return 0
 

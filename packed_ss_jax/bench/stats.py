@@ -9,9 +9,10 @@ from __future__ import annotations
 import numpy as np
 
 RESAMPLES = 20_000
+BOOTSTRAP_SEED = 0
 
 
-def resample_indices(n: int, resamples: int = RESAMPLES, seed: int = 0) -> np.ndarray:
+def resample_indices(n: int, resamples: int = RESAMPLES, seed: int = BOOTSTRAP_SEED) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, n, size=(resamples, n))
 
 
@@ -59,3 +60,34 @@ def ratio_to(a: dict, b: dict, idx: np.ndarray) -> dict:
         boot = f(ta, wa, na, idx) / f(tb, wb, nb, idx)
         out[name] = {"ratio": float(point), "ci95": percentile_ci(boot)}
     return out
+
+
+def per_prompt_correct(correct) -> np.ndarray:
+    """[n] the fraction of each prompt's responses that were correct. `correct` holds one
+    entry per prompt: a bool / 0-1 number (one response) or a list of them (repeated
+    samples, App. E.4)."""
+    out = []
+    for i, c in enumerate(correct):
+        c = np.atleast_1d(np.asarray(c, float))
+        if c.size == 0 or not np.all((c >= 0) & (c <= 1)):
+            raise ValueError(f"prompt {i}: correctness must be one or more values in [0, 1], "
+                             f"got {c.tolist()}")
+        out.append(c.mean())
+    return np.asarray(out, float)
+
+
+def pass_at_1(correct) -> float:
+    """pass@1 with repeated sampling (App. E.4): per prompt, the mean correctness over its
+    samples; then the mean over prompts (every prompt weighs the same)."""
+    return float(per_prompt_correct(correct).mean())
+
+
+def paired_accuracy(a, b, idx: np.ndarray) -> dict:
+    """Accuracy of method a minus baseline b in percentage points (Table 11), with the
+    paired percentile interval: every resample takes the same prompts for both methods,
+    all repeated responses of a sampled prompt included (App. E.5)."""
+    ca, cb = per_prompt_correct(a), per_prompt_correct(b)
+    if ca.shape != cb.shape:
+        raise ValueError(f"paired accuracy needs the same prompts: {ca.size} vs {cb.size}")
+    diff = 100 * (ca - cb)
+    return {"diff_pp": float(diff.mean()), "ci95_pp": percentile_ci(diff[idx].mean(axis=1))}
