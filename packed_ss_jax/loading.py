@@ -6,11 +6,11 @@ from pathlib import Path
 
 import jax
 
-from . import families
+from . import families, sharding
 from .checkpoints import store
 from .checkpoints.errors import CheckpointError
 from .config import DTYPES, ConfigError, ModelConfig, read_hf_config
-from .model import Model
+from .model import Model, unstack_layers
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -92,7 +92,7 @@ def _directory(path) -> Path:
 
 def load(path: str | Path | None = None, dtype: str = "float32", lora: bool | None = None,
          progress: bool = False, base_config=None, verify: bool = True,
-         tokenizer: str | Path | None = None) -> Model:
+         tokenizer: str | Path | None = None, mesh=None) -> Model:
     """Loads a checkpoint directory.
 
     path:  None (default) loads the small model shipped inside the package ("nld-tiny",
@@ -113,6 +113,11 @@ def load(path: str | Path | None = None, dtype: str = "float32", lora: bool | No
            directories are always checked for NaN/Inf while they are read.
     tokenizer: a tokenizer.json (or a directory holding one) to use instead of the
            checkpoint's, e.g. the base model's for a SetDLM release that ships none.
+    mesh:  a `jax.sharding.Mesh` with axes ("data", "model") (`sharding.make_mesh`): every
+           weight is placed on its shards as it is read (tensor-parallel over "model", see
+           sharding.RULES), each device receiving only its slice. Decoding the model then
+           runs on the mesh, batches split over "data". (A converted directory is restored
+           first and then placed.)
     """
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; expected one of {DTYPES}")
@@ -125,11 +130,15 @@ def load(path: str | Path | None = None, dtype: str = "float32", lora: bool | No
         if lora and not config.lora_rank:
             raise CheckpointError(f"lora=True but {path} was converted without an adapter")
         params = store.restore(path, config, verify=verify, progress=progress)
+        if mesh is not None:  # in the decoding layout, where the table names each weight
+            params = unstack_layers(params)
+            params = jax.device_put(params, sharding.param_shardings(config, mesh, params))
     else:
         config = hf_config(path, dtype, lora, base_config)
         # Each tensor goes to the device as it is read (jax.device_put copies once;
         # jnp.asarray would copy twice), so loading holds one tensor besides the params.
-        params = read_weights(path, config, progress=progress, place=jax.device_put)
+        place = jax.device_put if mesh is None else sharding.placer(config, mesh)
+        params = read_weights(path, config, progress=progress, place=place)
     if tokenizer is not None:
         tokenizer = Path(tokenizer)
         if not tokenizer.exists():

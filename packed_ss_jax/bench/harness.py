@@ -67,8 +67,23 @@ def parse_probe(spec: str, minimum: int = 2) -> list[int]:
 SPLITS = ("null", "doubled")
 
 
+def batches(prompts, size: int) -> list[list[int]]:
+    """Indices of consecutive prompts in static batches of at most `size`; a batch holds
+    prompts with the same output cap and EOS rule (one program decodes them)."""
+    out = []
+    for i, p in enumerate(prompts):
+        if out and len(out[-1]) < size and \
+                (prompts[out[-1][0]].max_new_tokens, prompts[out[-1][0]].stop_at_eos) == \
+                (p.max_new_tokens, p.stop_at_eos):
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
 def run(model, prompts, schedules, widths, *, capacity: int, temperature=0.0, seed=0,
-        max_new_tokens=None, repeats=1, split="null", order="ltr", progress=True) -> dict:
+        max_new_tokens=None, repeats=1, split="null", order="ltr", progress=True,
+        batch_size=1) -> dict:
     """Per schedule, per prompt: tokens, wall, NFE, model time, correctness.
 
     With `repeats` > 1 every prompt is decoded that many times by every schedule, in
@@ -78,59 +93,84 @@ def run(model, prompts, schedules, widths, *, capacity: int, temperature=0.0, se
     `timing`): by one whose forward costs nothing (`split="null"`: that decode's time,
     scaled to the real iteration count, is the non-model work) or by one that does every
     forward pass twice (`split="doubled"`: the extra wall time is the model's).
+
+    With `batch_size` N > 1, consecutive prompts are decoded N at a time (`batches`), each
+    batch one program run until its last sequence stops; prompt i still uses seed + i, so
+    its tokens are those decoded alone. A batch's wall time (and model time) is shared
+    equally by its prompts, so sums over prompts are totals; `calls` is each prompt's share
+    of the batch's forward calls (the most NFE in the batch).
     """
     if not prompts:
         raise ValueError("no prompts to run")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     per = {s: {"tokens": [], "wall_s": [], "nfe": [], "iterations": [], "model_s": [],
-               "correct": [], "hist": None} for s in schedules}
+               "calls": [], "correct": [], "hist": None} for s in schedules}
     if split is not None and split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS} or None, got {split!r}")
     other = timing.Null(model) if split == "null" else timing.Doubled(model)
 
     family = families.of(model.config)
 
-    def one(s, p, i, m=model):
+    def one(s, idx, m=model) -> list:
         width = widths[s] or model.config.block_size
-        return api.decode(m, p.text, schedule=s, **{family.width_name: width},
-                         order=family.orders[0] if s in family.orderless else order,
-                         max_new_tokens=max_new_tokens or p.max_new_tokens,
-                         eos_id=-1 if p.stop_at_eos else None, temperature=temperature,
-                         seed=seed + i, cache_size=capacity)
+        p = prompts[idx[0]]
+        kw = dict(schedule=s, **{family.width_name: width},
+                  order=family.orders[0] if s in family.orderless else order,
+                  max_new_tokens=max_new_tokens or p.max_new_tokens,
+                  eos_id=-1 if p.stop_at_eos else None, temperature=temperature,
+                  cache_size=capacity)
+        if batch_size == 1:
+            return [api.decode(m, p.text, seed=seed + idx[0], **kw)]
+        return api.decode(m, [prompts[i].text for i in idx], seed=[seed + i for i in idx], **kw)
 
+    groups = batches(prompts, batch_size)
     for s in schedules:  # warm-up: compile, and run once, outside the measurements
-        one(s, prompts[0], 0)
-        if split:
-            one(s, prompts[0], 0, other)
+        for idx in {len(g): g for g in groups}.values():  # every batch size used
+            one(s, idx)
+            if split:
+                one(s, idx, other)
     t0 = time.monotonic()
-    for i, p in enumerate(prompts):
+    done = 0
+    for idx in groups:
         runs = {s: [] for s in schedules}
         replaced = {s: [] for s in schedules}
         for _ in range(repeats):
             for s in schedules:
-                runs[s].append(one(s, p, i))
+                runs[s].append(one(s, idx))
                 if split:
-                    replaced[s].append(one(s, p, i, other))
+                    replaced[s].append(one(s, idx, other))
+        n = len(idx)
         for s in schedules:
-            r = min(runs[s], key=lambda x: x.wall_s)
+            rs = min(runs[s], key=lambda x: x[0].wall_s)
+            wall = rs[0].wall_s
             d = per[s]
-            d["tokens"].append(len(r.tokens))
-            d["wall_s"].append(r.wall_s)
-            d["nfe"].append(r.nfe)
-            d["iterations"].append(r.iterations)
-            d["hist"] = r.accept_hist if d["hist"] is None else d["hist"] + r.accept_hist
             if split:
-                o = min(replaced[s], key=lambda x: x.wall_s)
+                o = min(replaced[s], key=lambda x: x[0].wall_s)
                 if split == "null":
-                    non_model = o.wall_s * (r.iterations + 1) / (o.iterations + 1)
-                    d["model_s"].append(r.wall_s - non_model)
+                    it_r = max(r.iterations for r in rs)
+                    it_o = max(r.iterations for r in o)
+                    model_s = wall - o[0].wall_s * (it_r + 1) / (it_o + 1)
                 else:
-                    d["model_s"].append(o.wall_s - r.wall_s)
-            if p.score is not None:
-                d["correct"].append(bool(p.score(r.text if r.text is not None else "")))
+                    model_s = o[0].wall_s - wall
+            calls = max(r.nfe for r in rs)
+            for i, r in zip(idx, rs):
+                d["tokens"].append(len(r.tokens))
+                d["wall_s"].append(wall / n)
+                d["nfe"].append(r.nfe)
+                d["calls"].append(calls / n)
+                d["iterations"].append(r.iterations)
+                d["hist"] = r.accept_hist if d["hist"] is None else d["hist"] + r.accept_hist
+                if split:
+                    d["model_s"].append(model_s / n)
+                if prompts[i].score is not None:
+                    d["correct"].append(bool(prompts[i].score(r.text if r.text is not None
+                                                              else "")))
+        done += n
         if progress:
-            sys.stderr.write(f"\rprompts {i + 1}/{len(prompts)} ({time.monotonic() - t0:.0f}s)")
+            sys.stderr.write(f"\rprompts {done}/{len(prompts)} ({time.monotonic() - t0:.0f}s)")
             sys.stderr.flush()
     if progress:
         sys.stderr.write("\n")
@@ -191,7 +231,8 @@ def cache_size_for(model, prompts, max_new_tokens=None) -> int:
 
 
 def summarize(model_name: str, task: str, per: dict, widths, config_width: int,
-              resamples: int = stats.RESAMPLES, family: str = "nemotron") -> dict:
+              resamples: int = stats.RESAMPLES, family: str = "nemotron", batch_size: int = 1,
+              mesh: dict | None = None) -> dict:
     if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 1:
         raise ValueError(f"resamples must be an integer >= 1, got {resamples!r}")
     n = len(next(iter(per.values()))["tokens"])
@@ -200,12 +241,15 @@ def summarize(model_name: str, task: str, per: dict, widths, config_width: int,
     for s, d in per.items():
         tokens, wall, nfe = (np.asarray(d[k], float) for k in ("tokens", "wall_s", "nfe"))
         model_s = float(np.sum(d["model_s"]))
+        calls = float(np.sum(d["calls"])) if d.get("calls") else float(nfe.sum())
         results[s] = {
             fam.width_name: None if s == fam.reference else (widths[s] or config_width),
             "tokens": int(tokens.sum()), "mean_tokens": float(tokens.mean()),
             "wall_s": float(wall.sum()), "nfe": int(nfe.sum()),
             "tokens_per_nfe": float(tokens.sum() / nfe.sum()),
             "time_per_nfe_ms": float(1e3 * wall.sum() / nfe.sum()),
+            # One forward call of the batch (all its sequences): time/NFE at batch size 1.
+            "time_per_call_ms": float(1e3 * wall.sum() / calls),
             "throughput_tok_s": float(tokens.sum() / wall.sum()),
             "model_time_s": model_s,
             "non_model_time_s": float(wall.sum() - model_s),
@@ -222,26 +266,32 @@ def summarize(model_name: str, task: str, per: dict, widths, config_width: int,
     if "linear" in per:
         figure3 = {s: stats.ratio_to(per[s], per["linear"], idx) for s in per}
     return {"model": model_name, "family": family, "width_name": fam.width_name, "task": task,
-            "n_prompts": n, "results": results,
+            "n_prompts": n, "batch_size": batch_size, "mesh": mesh, "results": results,
             "paired": paired, "ratios_to_linear": figure3, "bootstrap_resamples": resamples,
             "warmup": "each schedule decoded the first prompt once before timing; "
                       "compilation is ahead of time and never inside wall_s",
-            "wall_s_is": "per prompt, the fastest of `repeats` identical decodes",
+            "wall_s_is": "per prompt, the fastest of `repeats` identical decodes (with a "
+                         "batch size N > 1: the prompt's 1/N share of its batch's)",
             "per_prompt": {s: {k: d[k] for k in ("tokens", "wall_s", "nfe")} for s, d in per.items()}}
 
 
 def markdown(summary: dict) -> str:
     family = families.FAMILIES[summary.get("family", "nemotron")]
     width_name, label = family.width_name, family.width_symbol
-    rows = [f"| schedule | {label} | tokens | mean tokens | wall (s) | NFE | tokens/NFE "
-            "| time/NFE (ms) | throughput (tok/s) | non-model time | accuracy |",
-            "|" + "---|" * 11]
+    batch = summary.get("batch_size", 1)
+    mesh = mesh_label(summary.get("mesh"))
+    # tokens/NFE is per sequence; time/call is one forward call of the whole batch.
+    rows = [f"| schedule | {label} | batch | mesh | tokens | mean tokens | wall (s) | NFE "
+            "| tokens/NFE | time/call (ms) | throughput (tok/s) | non-model time | accuracy |",
+            "|" + "---|" * 13]
     for s, r in summary["results"].items():
         acc = "-" if r["accuracy"] is None else f"{100 * r['accuracy']:.1f}%"
-        rows.append(f"| {s} | {r[width_name] or '-'} | {r['tokens']} | {r['mean_tokens']:.1f} | "
-                    f"{r['wall_s']:.2f} | {r['nfe']} | {r['tokens_per_nfe']:.2f} | "
-                    f"{r['time_per_nfe_ms']:.2f} | {r['throughput_tok_s']:.1f} | "
-                    f"{100 * r['non_model_fraction']:.1f}% | {acc} |")
+        per_call = r.get("time_per_call_ms", r["time_per_nfe_ms"])
+        rows.append(f"| {s} | {r[width_name] or '-'} | {batch} | {mesh} | {r['tokens']} | "
+                    f"{r['mean_tokens']:.1f} | {r['wall_s']:.2f} | {r['nfe']} | "
+                    f"{r['tokens_per_nfe']:.2f} | {per_call:.2f} | "
+                    f"{r['throughput_tok_s']:.1f} | {100 * r['non_model_fraction']:.1f}% | "
+                    f"{acc} |")
     if summary["paired"]:
         rows += ["", "| Packed-SS vs | throughput ratio [95% CI] | wall diff per prompt (s) [95% CI] |",
                  "|---|---|---|"]
@@ -254,6 +304,11 @@ def markdown(summary: dict) -> str:
     for s, r in summary["results"].items():
         hist.append(f"  {s}: {r['accept_hist']}")
     return "\n".join(rows + hist)
+
+
+def mesh_label(mesh: dict | None) -> str:
+    """'data=2,model=4', or '-' for one device."""
+    return ",".join(f"{k}={v}" for k, v in mesh.items()) if mesh else "-"
 
 
 def check_plot(path: str, schedules) -> None:
@@ -392,6 +447,9 @@ def _main(argv: list[str] | None, prog: str) -> int:
     p.add_argument("--split", choices=SPLITS, default="null",
                    help="how the model / non-model time split is measured: null (a decode whose "
                         "forward computes nothing) or doubled (every forward done twice)")
+    p.add_argument("--batch-size", type=int_at_least(1), default=1,
+                   help="decode this many consecutive prompts at once (static batches, each "
+                        "run until its last sequence stops; per prompt the same tokens)")
     p.add_argument("--limit", type=int_at_least(1), default=None,
                    help="first N prompts (offline tasks: 100)")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=None,
@@ -471,7 +529,7 @@ def _main(argv: list[str] | None, prog: str) -> int:
     print(f"{name}: {len(prompts)} {args.task} prompts, schedules {schedules}, "
           f"temperature {args.temperature}", file=sys.stderr)
     kw = dict(temperature=args.temperature, seed=args.seed, max_new_tokens=args.max_new_tokens,
-              repeats=args.repeats, capacity=capacity, order=order)
+              repeats=args.repeats, capacity=capacity, order=order, batch_size=args.batch_size)
     probe_rows = []
     label = family.width_symbol
     if sizes:
@@ -479,7 +537,7 @@ def _main(argv: list[str] | None, prog: str) -> int:
         print(probe_markdown(probe_rows, widths, label) + "\n")
     per = run(model, prompts, schedules, widths, split=args.split, **kw)
     summary = summarize(name, args.task, per, widths, config.block_size, args.resamples,
-                        family=family.name)
+                        family=family.name, batch_size=args.batch_size)
     summary.update(temperature=args.temperature, repeats=args.repeats, probe=probe_rows,
                    time_split=args.split, order=order)
     print(markdown(summary))
