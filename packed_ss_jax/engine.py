@@ -322,21 +322,42 @@ def placement(model) -> tuple:
     return (tuple(x.sharding for x in jax.tree.leaves(model.params)),)
 
 
+def request_args(model, request: Request) -> tuple:
+    """A request's arguments, replicated over the model's mesh when it has one (so that a
+    program whose weights span several processes gets global arrays)."""
+    args = request.args()
+    mesh = sharding.mesh_of(model.params)
+    if mesh is None:
+        return args
+    return jax.device_put(args, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
 def compiled(model, family, request: Request) -> tuple[Any, float]:
     """The compiled program of a request and the seconds spent compiling it now."""
     run = seeded(family.build(model, request.program))
     return aot((model.key, request.program) + placement(model), run, model.params,
-               *request.args())
+               *request_args(model, request))
+
+
+def to_host(out):
+    """A program's outcome as host arrays. With several processes (jax.distributed), an
+    outcome split over devices of other processes is gathered, so every process reads
+    the whole outcome."""
+    if all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(out)):
+        return jax.device_get(out)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(out, tiled=True)
 
 
 def run(model, family, request: Request) -> DecodeResult:
     """Decodes one checked request: compile (once), run, synchronise, read the outcome."""
     exe, compile_s = compiled(model, family, request)
-    args = request.args()
+    args = request_args(model, request)
     t0 = time.perf_counter()
     out = jax.block_until_ready(exe(model.params, *args))
     wall = time.perf_counter() - t0
-    out = jax.device_get(out)
+    out = to_host(out)
     check_finite(out["nonfinite_at"], out["iterations"], out["tokens"])
     return result(model, family, request, out, wall, compile_s)
 
@@ -395,7 +416,7 @@ def run_batch(model, family, batch: Batch) -> list[DecodeResult]:
     t0 = time.perf_counter()
     out = jax.block_until_ready(exe(model.params, *args))
     wall = time.perf_counter() - t0
-    out = jax.device_get(out)
+    out = to_host(out)
     check_finite(out["nonfinite_at"], out["iterations"], out["tokens"])
     return [result(model, family, r, jax.tree.map(lambda x: x[i], out), wall, compile_s)
             for i, r in enumerate(batch.requests)]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import api, engine, families
+from .. import api, engine, families, sharding
 from ..arguments import (Parser, UsageError, int_at_least, load_model, model_args, run_command,
                          seed as seed_arg, temperature as temperature_arg)
 from . import stats, tasks, timing
@@ -537,7 +537,8 @@ def _main(argv: list[str] | None, prog: str) -> int:
         print(probe_markdown(probe_rows, widths, label) + "\n")
     per = run(model, prompts, schedules, widths, split=args.split, **kw)
     summary = summarize(name, args.task, per, widths, config.block_size, args.resamples,
-                        family=family.name, batch_size=args.batch_size)
+                        family=family.name, batch_size=args.batch_size,
+                        mesh=sharding.describe(sharding.mesh_of(model.params)))
     summary.update(temperature=args.temperature, repeats=args.repeats, probe=probe_rows,
                    time_split=args.split, order=order)
     print(markdown(summary))
