@@ -39,7 +39,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=16, help="prompts per measurement")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--block-size", type=int, default=8)
-    p.add_argument("--capacity", type=int, default=256)
+    p.add_argument("--capacity", type=int, default=128,
+                   help="cache slots (bench sizes these prompts + 64 new tokens to 128)")
     p.add_argument("--repeats", type=int, default=1, help="keep the fastest of this many")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)

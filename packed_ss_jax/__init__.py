@@ -15,8 +15,9 @@ from .families import FAMILIES
 from .loading import load
 from .model import Model
 from .requests import InputError
+from .sharding import make_mesh
 
 __all__ = ["CheckpointError", "ConfigError", "DecodeResult", "FAMILIES", "InputError", "Model",
            "ModelConfig", "NonFiniteError", "convert", "decode", "decoder", "load", "logits",
-           "set_compile_cache"]
+           "make_mesh", "set_compile_cache"]
 __version__ = "0.1.0"

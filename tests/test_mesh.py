@@ -60,3 +60,18 @@ def test_meshes_give_one_devices_tokens_on_the_fixture(nemotron_dir):
 
 def test_meshes_give_one_devices_tokens_on_the_embedded_model():
     _check(_child("embedded"), kv_replicated_at=set())
+
+
+def test_mesh_flags_are_checked_before_loading(capsys):
+    from packed_ss_jax import cli, sharding
+
+    assert sharding.parse("model=4") == {"data": 1, "model": 4}
+    for spec, message in [("data=3,model=5", "needs 15 devices"),
+                          ("data=2,pipe=2", "not AXIS=SIZE"), ("model=0", "not AXIS=SIZE"),
+                          ("model=2,model=2", "twice")]:
+        assert cli.main(["generate", "--ids", "1,2", "--mesh", spec]) == 2
+        assert message in capsys.readouterr().err
+    assert cli.main(["generate", "--ids", "1,2", "--coordinator", "localhost:1234"]) == 2
+    assert "go together" in capsys.readouterr().err
+    assert cli.main(["bench", "--batch-size", "0"]) == 2
+    assert "--batch-size" in capsys.readouterr().err
