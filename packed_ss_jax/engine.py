@@ -281,14 +281,16 @@ def executables(model_key: Hashable) -> dict[Program, Any]:
             if len(k) == 2 and k[0] == model_key and isinstance(k[1], Program)}
 
 
-def aot(key: Hashable, fn: Callable, *args) -> tuple[Any, float]:
+def aot(key: Hashable, fn: Callable, *args, donate: tuple[int, ...] = ()) -> tuple[Any, float]:
     """`fn` lowered and compiled for `args` once per hashable `key` (every decode program
-    goes through here); returns it and the seconds spent compiling now."""
+    goes through here); returns it and the seconds spent compiling now. `donate`: the
+    arguments whose buffers the program may reuse for its outputs (a state updated in
+    place)."""
     if key in _compiled:
         return _compiled[key], 0.0
     compile_cache.ensure()
     t0 = time.perf_counter()
-    exe = jax.jit(fn).lower(*args).compile()
+    exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
     _compiled[key] = exe
     return exe, time.perf_counter() - t0
 

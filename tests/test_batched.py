@@ -130,3 +130,34 @@ def test_bench_static_batches_give_each_prompts_tokens():
     assert "| packed | 4 | 2 | - |" in harness.markdown(summary)
     with pytest.raises(ValueError, match="batch_size"):
         harness.run(model, prompts, ["packed"], {"packed": 4}, batch_size=0, **kw)
+
+
+@pytest.mark.parametrize("family,temperature", [("nemotron", 1.0), ("setdlm", 0.0)])
+def test_continuous_batching_gives_each_prompts_tokens(family, temperature):
+    """Seven prompts through three slots, refilled every two iterations: each result is
+    the prompt decoded alone; the loop program writes the cache in place (its state is
+    donated, so the refills write into the same buffers)."""
+    from hlo import body_results, loop_state, rebuilt
+    from packed_ss_jax import engine
+
+    setup = SETUPS[family]
+    m = setup["model"]()
+    prompts = setup["prompts"] + [[3, 4], [5, 5, 5], [8]]
+    seeds = list(range(20, 27))
+    kw = dict(schedule="packed", max_new_tokens=MAX_NEW, temperature=temperature,
+              **setup["options"])
+    results, stats = ps.decode_continuous(m, prompts, slots=3, every=2, seed=seeds, **kw)
+    assert stats.refills == 4 and stats.round_trips > 1 and 0 <= stats.host_fraction < 1
+    for p, s, b in zip(prompts, seeds, results):
+        _same(ps.decode(m, p, seed=s, **kw), b)
+    c = m.config
+    (exe,) = [e for k, e in engine._compiled.items()
+              if k[0] == m.key and k[2:] == ("queue", 3, "resume")
+              and k[1].sampler.temperature == temperature and k[1].schedule == "packed"]
+    slots = {"nemotron": 96 + 4, "setdlm": 64 + 2 * 3 + 2}[family]
+    shape = (3, c.num_kv_heads, slots, c.head_dim)
+    hlo = exe.as_text()
+    assert loop_state(hlo).count(("f32", shape)) == 2 * c.num_layers
+    assert not rebuilt(body_results(hlo), shape)
+    with pytest.raises(InputError, match="slots"):
+        ps.decode_continuous(m, prompts, slots=0, **kw)
