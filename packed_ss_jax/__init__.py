@@ -5,7 +5,7 @@
     fn = packed_ss_jax.decoder(model, schedule="packed", block_size=32)  # pure, jittable
 """
 
-from .api import DecodeResult, decode, decoder, logits
+from .api import DecodeResult, decode, decode_continuous, decoder, logits
 from .checkpoints.errors import CheckpointError
 from .compile_cache import set_compile_cache
 from .config import ConfigError, ModelConfig
@@ -15,8 +15,10 @@ from .families import FAMILIES
 from .loading import load
 from .model import Model
 from .requests import InputError
+from .sharding import make_mesh
 
 __all__ = ["CheckpointError", "ConfigError", "DecodeResult", "FAMILIES", "InputError", "Model",
-           "ModelConfig", "NonFiniteError", "convert", "decode", "decoder", "load", "logits",
-           "set_compile_cache"]
+           "ModelConfig", "NonFiniteError", "convert", "decode", "decode_continuous", "decoder",
+           "load", "logits",
+           "make_mesh", "set_compile_cache"]
 __version__ = "0.1.0"

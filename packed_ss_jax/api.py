@@ -13,13 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import engine, families, requests
+from . import continuous, engine, families, requests
 from .config import ModelConfig
 from .engine import DecodeResult
 from .model import Model
 from .requests import InputError, InputTypeError
 
-__all__ = ["DecodeResult", "decode", "decoder", "logits"]
+__all__ = ["DecodeResult", "decode", "decode_continuous", "decoder", "logits"]
 
 
 def as_model(model, config: ModelConfig | None = None):
@@ -46,13 +46,27 @@ def _width(family, block_size, window):
     return given[family.width_name]
 
 
-def decode(model, prompt: str | Sequence[int], *, config: ModelConfig | None = None,
+def is_batch(prompt) -> bool:
+    """Whether `decode`'s prompt is a batch: a list of prompts (strings or id lists, or
+    a 2-D array), not one prompt's ids."""
+    if isinstance(prompt, np.ndarray):
+        return prompt.ndim == 2
+    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
+            and not any(requests.is_int(p) for p in prompt))
+
+
+def decode(model, prompt, *, config: ModelConfig | None = None,
            schedule: str = "packed", block_size: int | None = None, window: int | None = None,
            max_new_tokens: int = 128, eos_id: int | None = -1, temperature: float = 0.0,
            top_k: int | None = None, top_p: float | None = None, seed: int = 0,
            cache_size: int | None = None, order: str = "ltr",
-           stop_sequences: Sequence = ()) -> DecodeResult:
+           stop_sequences: Sequence = ()) -> DecodeResult | list[DecodeResult]:
     """Decodes `prompt` (text, with the model's tokenizer, or token ids) with one schedule.
+
+    A list of prompts (strings or id lists, of any lengths) is decoded as one batch, in one
+    program, and gives a list of DecodeResults, one per prompt, each what that prompt
+    decoded alone gives (same tokens, NFE and statistics); `seed` is then one seed for
+    every prompt or a list of one per prompt; `wall_s` is the whole batch's.
 
     model:      a `Model` (from `load`), or a params tree with `config=` its ModelConfig.
     schedule:   Nemotron "ar", "linear", "quadratic", "packed"; SetDLM "serial", "native",
@@ -73,12 +87,39 @@ def decode(model, prompt: str | Sequence[int], *, config: ModelConfig | None = N
     """
     model = as_model(model, config)
     family = families.of(model.config)
-    request = engine.prepare(
-        model, family, prompt, seed=seed, schedule=schedule,
+    options = dict(seed=seed, schedule=schedule, width=_width(family, block_size, window),
+                   order=order, temperature=temperature, top_k=top_k, top_p=top_p,
+                   cache_size=cache_size, max_new_tokens=max_new_tokens, eos_id=eos_id,
+                   stop_sequences=stop_sequences)
+    if is_batch(prompt):
+        return engine.run_batch(model, family, engine.prepare_batch(model, family, list(prompt),
+                                                                     **options))
+    return engine.run(model, family, engine.prepare(model, family, prompt, **options))
+
+
+def decode_continuous(model, prompts: Sequence, *, slots: int = 8, every: int = 8,
+                      config: ModelConfig | None = None, schedule: str = "packed",
+                      block_size: int | None = None, window: int | None = None,
+                      max_new_tokens: int = 128, eos_id: int | None = -1,
+                      temperature: float = 0.0, top_k: int | None = None,
+                      top_p: float | None = None, seed=0, cache_size: int | None = None,
+                      order: str = "ltr", stop_sequences: Sequence = ()):
+    """Decodes a long list of prompts keeping `slots` sequences busy (continuous
+    batching, see continuous.py): every `every` loop iterations the host refills the
+    slots whose sequence stopped with the next prompts. Returns (one DecodeResult per
+    prompt, in order, each what that prompt decoded alone gives; `continuous.Stats`,
+    with the host round trips' share of wall time). The other arguments are `decode`'s.
+    """
+    model = as_model(model, config)
+    family = families.of(model.config)
+    slots = requests.integer(slots, "slots", 1)
+    every = requests.integer(every, "every", 1)
+    batch = engine.prepare_batch(
+        model, family, list(prompts), seed=seed, schedule=schedule,
         width=_width(family, block_size, window), order=order, temperature=temperature,
         top_k=top_k, top_p=top_p, cache_size=cache_size, max_new_tokens=max_new_tokens,
         eos_id=eos_id, stop_sequences=stop_sequences)
-    return engine.run(model, family, request)
+    return continuous.decode_queue(model, family, batch, slots, every)
 
 
 def decoder(model_or_config, *, schedule: str = "packed", block_size: int | None = None,

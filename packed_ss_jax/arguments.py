@@ -140,6 +140,45 @@ def model_args(p: Parser) -> None:
                    help="where compiled programs are kept between runs (default: "
                         "$PACKED_SS_COMPILE_CACHE, else ~/.cache/packed_ss_jax/xla); off: "
                         "none")
+    p.add_argument("--mesh", metavar="data=D,model=M", type=mesh_spec, default=None,
+                   help="decode on a mesh of D x M devices (every device of every process): "
+                        "sequences split over data, tensor-parallel over model (default: one "
+                        "device)")
+    p.add_argument("--coordinator", metavar="HOST:PORT", default=None,
+                   help="several hosts: the address of process 0 (jax.distributed)")
+    p.add_argument("--num-processes", type=int_at_least(1), default=None,
+                   help="several hosts: how many processes take part")
+    p.add_argument("--process-id", type=int_at_least(0), default=None,
+                   help="several hosts: this process's index, 0 .. num-processes - 1")
+
+
+def mesh_spec(text: str) -> dict:
+    from .sharding import MeshError, parse
+
+    try:
+        return parse(text)
+    except MeshError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def distributed(args) -> None:
+    """Joins the processes of a multi-host run (`--coordinator`, `--num-processes`,
+    `--process-id`) before anything touches a device; every process runs the same
+    command line with its own --process-id."""
+    given = [args.coordinator, args.num_processes, args.process_id]
+    if all(x is None for x in given):
+        return
+    if any(x is None for x in given):
+        raise UsageError("--coordinator, --num-processes and --process-id go together")
+    if args.process_id >= args.num_processes:
+        raise UsageError(f"--process-id {args.process_id} must be below --num-processes "
+                         f"{args.num_processes}")
+    import jax
+
+    # CPU devices of several processes talk through gloo (GPUs use NCCL whatever this says).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
+                               process_id=args.process_id)
 
 
 def load_model(args, lora: bool | None = None):
@@ -156,9 +195,18 @@ def load_model(args, lora: bool | None = None):
             and args.model not in loading.embedded_models():
         raise FileNotFoundError(f"--model {args.model}: no such directory (embedded models: "
                                 f"{', '.join(loading.embedded_models())})")
+    distributed(args)
+    mesh = None
+    if getattr(args, "mesh", None) is not None:
+        from .sharding import MeshError, make_mesh
+
+        try:
+            mesh = make_mesh(**args.mesh)
+        except MeshError as e:
+            raise UsageError(f"--mesh: {e}") from None
     return loading.load(args.model, dtype=args.dtype, verify=not args.no_verify,
                         base_config=args.base_config, tokenizer=args.tokenizer,
-                        matmul_precision=args.matmul_precision, lora=lora)
+                        matmul_precision=args.matmul_precision, lora=lora, mesh=mesh)
 
 
 def width_args(p: Parser) -> None:

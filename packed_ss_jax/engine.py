@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import compile_cache, requests
+from . import batched, compile_cache, requests, sharding
 from .requests import InputError
 from .sampling import Sampler
 
@@ -65,6 +65,27 @@ class Request:
         seed = self.seed if seed is None else seed
         return (jnp.asarray(padded), jnp.int32(len(self.prompt)),
                 jax.tree.map(jnp.asarray, self.limits), jnp.asarray(seed, jnp.uint32))
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """Checked requests decoded together by one batched program: one program (the bucket
+    of the longest prompt, the capacity of the longest request) and, per prompt, its
+    request (its own ids, limits and seed, on that program)."""
+
+    program: Program
+    requests: tuple[Request, ...]
+
+    def args(self):
+        """The batched program's arguments after params: padded prompts [N, bucket], their
+        lengths [N], the limits stacked on a leading N axis, the seeds [N]."""
+        rs = self.requests
+        padded = np.zeros((len(rs), self.program.bucket), np.int32)
+        for i, r in enumerate(rs):
+            padded[i, : len(r.prompt)] = r.prompt
+        limits = jax.tree.map(lambda *x: jnp.asarray(np.stack(x)), *[r.limits for r in rs])
+        return (jnp.asarray(padded), jnp.asarray([len(r.prompt) for r in rs], jnp.int32),
+                limits, jnp.asarray([r.seed for r in rs], jnp.uint32))
 
 
 @dataclasses.dataclass
@@ -221,6 +242,30 @@ def prepare(model, family, prompt, *, seed=0, **options) -> Request:
     return Request(program, ids, limits, seed, max_new)
 
 
+def prepare_batch(model, family, prompts, *, seed=0, **options) -> Batch:
+    """Checked requests for a batched decode: `prompts` a non-empty list of prompts,
+    `seed` one seed for every prompt or one per prompt (see `program_for` for the rest).
+    The batch shares one program: prompts are padded to the bucket of the longest, the
+    cache sized for the longest request."""
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or not prompts:
+        raise InputError(f"prompts must be a non-empty list of prompts, got {prompts!r:.80}")
+    ids = [requests.prompt_ids(model, p) for p in prompts]
+    if requests.is_int(seed):
+        seeds = [requests.seed(seed)] * len(ids)
+    else:
+        seeds = [int(x) for x in requests.seeds(seed)]
+        if len(seeds) != len(ids):
+            raise InputError(f"seed: {len(seeds)} seeds for {len(ids)} prompts; give one seed "
+                             "or one per prompt")
+    longest = max(len(x) for x in ids)
+    program, limits, max_new = program_for(family, model.config, prompt_len=longest,
+                                           tokenizer=getattr(model, "tokenizer", None), **options)
+    requests.fits(longest, max_new, program.capacity)
+    program = dataclasses.replace(program, bucket=bucket_for(longest, program.capacity))
+    return Batch(program, tuple(Request(program, x, limits, s, max_new)
+                                for x, s in zip(ids, seeds)))
+
+
 # --- compiled programs ----------------------------------------------------------------------
 
 _compiled: dict[Hashable, Any] = {}
@@ -236,14 +281,16 @@ def executables(model_key: Hashable) -> dict[Program, Any]:
             if len(k) == 2 and k[0] == model_key and isinstance(k[1], Program)}
 
 
-def aot(key: Hashable, fn: Callable, *args) -> tuple[Any, float]:
+def aot(key: Hashable, fn: Callable, *args, donate: tuple[int, ...] = ()) -> tuple[Any, float]:
     """`fn` lowered and compiled for `args` once per hashable `key` (every decode program
-    goes through here); returns it and the seconds spent compiling now."""
+    goes through here); returns it and the seconds spent compiling now. `donate`: the
+    arguments whose buffers the program may reuse for its outputs (a state updated in
+    place)."""
     if key in _compiled:
         return _compiled[key], 0.0
     compile_cache.ensure()
     t0 = time.perf_counter()
-    exe = jax.jit(fn).lower(*args).compile()
+    exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
     _compiled[key] = exe
     return exe, time.perf_counter() - t0
 
@@ -255,6 +302,12 @@ def seeded(run: Callable) -> Callable:
                                                        jax.random.PRNGKey(seed))
 
 
+def seeded_batch(run: Callable) -> Callable:
+    """A batched `run` taking seeds [N]: one key per sequence, made inside the program."""
+    return lambda params, prompts, n, limits, seeds: run(
+        params, prompts, n, limits, jax.vmap(jax.random.PRNGKey)(seeds))
+
+
 def lower(model, family, request: Request):
     """The decode program of a request, lowered for the model's params: arrays, or
     `jax.ShapeDtypeStruct`s to read a real-size program's HLO, cost and memory without
@@ -263,20 +316,50 @@ def lower(model, family, request: Request):
                                                                       *request.args())
 
 
+def placement(model) -> tuple:
+    """What compiled programs depend on besides the config: () on one device, else the
+    shardings of the weights (a program is compiled for where its inputs lie)."""
+    if sharding.mesh_of(model.params) is None:
+        return ()
+    return (tuple(x.sharding for x in jax.tree.leaves(model.params)),)
+
+
+def request_args(model, request: Request) -> tuple:
+    """A request's arguments, replicated over the model's mesh when it has one (so that a
+    program whose weights span several processes gets global arrays)."""
+    args = request.args()
+    mesh = sharding.mesh_of(model.params)
+    if mesh is None:
+        return args
+    return jax.device_put(args, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
 def compiled(model, family, request: Request) -> tuple[Any, float]:
     """The compiled program of a request and the seconds spent compiling it now."""
     run = seeded(family.build(model, request.program))
-    return aot((model.key, request.program), run, model.params, *request.args())
+    return aot((model.key, request.program) + placement(model), run, model.params,
+               *request_args(model, request))
+
+
+def to_host(out):
+    """A program's outcome as host arrays. With several processes (jax.distributed), an
+    outcome split over devices of other processes is gathered, so every process reads
+    the whole outcome."""
+    if all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(out)):
+        return jax.device_get(out)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(out, tiled=True)
 
 
 def run(model, family, request: Request) -> DecodeResult:
     """Decodes one checked request: compile (once), run, synchronise, read the outcome."""
     exe, compile_s = compiled(model, family, request)
-    args = request.args()
+    args = request_args(model, request)
     t0 = time.perf_counter()
     out = jax.block_until_ready(exe(model.params, *args))
     wall = time.perf_counter() - t0
-    out = jax.device_get(out)
+    out = to_host(out)
     check_finite(out["nonfinite_at"], out["iterations"], out["tokens"])
     return result(model, family, request, out, wall, compile_s)
 
@@ -301,6 +384,44 @@ def result(model, family, request: Request, out: dict, wall_s: float,
         schedule=p.schedule, block_size=W + 1, prompt_len=len(request.prompt),
         text=tokenizer.decode(tokens) if tokenizer is not None else None, family=family.name,
         window=W, order=p.order, **extra)
+
+
+def batch_args(model, batch: Batch) -> tuple:
+    """The batched program's arguments, on the model's mesh (when it has one): every
+    argument's leading batch axis split over "data" (see sharding.batch_spec)."""
+    args = batch.args()
+    mesh = sharding.mesh_of(model.params)
+    if mesh is None:
+        return args
+    where = jax.sharding.NamedSharding(mesh, sharding.batch_spec(mesh, len(batch.requests)))
+    return jax.device_put(args, where)
+
+
+def compiled_batch(model, family, batch: Batch) -> tuple[Any, float]:
+    """The compiled batched program of a batch (one per program and batch size)."""
+    mesh = sharding.mesh_of(model.params)
+    cache = None if mesh is None else jax.sharding.NamedSharding(
+        mesh, sharding.cache_spec(model.config, mesh, len(batch.requests)))
+    run = seeded_batch(batched.build(family.parts(model, batch.program), cache_sharding=cache))
+    key = (model.key, batch.program, "batch", len(batch.requests)) + placement(model)
+    return aot(key, run, model.params, *batch_args(model, batch))
+
+
+def run_batch(model, family, batch: Batch) -> list[DecodeResult]:
+    """Decodes a batch in one program; returns one DecodeResult per prompt, each equal to
+    that prompt decoded alone (`run`) with its seed. `wall_s` is the batch's wall time
+    (every sequence took part in all of it). Raises NonFiniteError for the first prompt
+    whose decode met NaN/Inf logits. On a mesh (a model loaded with `mesh=`) the batch is
+    split over its "data" axis and every call is tensor-parallel over "model"."""
+    exe, compile_s = compiled_batch(model, family, batch)
+    args = batch_args(model, batch)
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(exe(model.params, *args))
+    wall = time.perf_counter() - t0
+    out = to_host(out)
+    check_finite(out["nonfinite_at"], out["iterations"], out["tokens"])
+    return [result(model, family, r, jax.tree.map(lambda x: x[i], out), wall, compile_s)
+            for i, r in enumerate(batch.requests)]
 
 
 def run_many(model, family, request: Request, seeds) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

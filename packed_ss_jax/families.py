@@ -43,6 +43,8 @@ class Family:
     adapter_dir: str | None
     read_adapter: Callable | None
     build: Callable[[Any, Any], Callable]  # (model, program) -> run(params, prompt, n, limits, key)
+    # (model, program) -> (start, step, outcome): `build`'s pieces, for the batched loop
+    parts: Callable[[Any, Any], tuple]
     limits: Callable[..., dict]  # (tokenizer, vocab, max_new, eos_id, stop_sequences) -> traced limits
 
     def width(self, schedule: str, requested: int) -> int:
@@ -71,7 +73,7 @@ NEMOTRON = Family(
     width_name="block_size", width_symbol="B", min_width=2, width_counts_x=True, stop_sequences=False,
     parse_config=_nemotron_config, read_weights=nemotron_checkpoint.read,
     adapter_dir=nemotron_checkpoint.LORA_DIR, read_adapter=nemotron_checkpoint.lora_config,
-    build=nemotron_schedules.build, limits=_nemotron_limits)
+    build=nemotron_schedules.build, parts=nemotron_schedules.parts, limits=_nemotron_limits)
 
 SETDLM = Family(
     name="setdlm", title="SetDLM", model_type=config_lib.SETDLM_MODEL_TYPE,
@@ -81,7 +83,7 @@ SETDLM = Family(
     orderless=("serial", "native"), width_name="window", width_symbol="W", min_width=1, width_counts_x=False,
     stop_sequences=True, parse_config=config_lib.setdlm_from_hf,
     read_weights=setdlm_checkpoint.read, adapter_dir=None, read_adapter=None,
-    build=setdlm_program.build,
+    build=setdlm_program.build, parts=setdlm_program.parts,
     limits=setdlm_program.limits)
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (NEMOTRON, SETDLM)}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import jax
 
-from . import families
+from . import families, sharding
 from .checkpoints import store
 from .checkpoints.errors import CheckpointError
 from .config import DTYPES, ConfigError, ModelConfig, read_hf_config
@@ -92,7 +92,8 @@ def _directory(path) -> Path:
 
 def load(path: str | Path | None = None, dtype: str = "float32", lora: bool | None = None,
          progress: bool = False, base_config=None, verify: bool = True,
-         tokenizer: str | Path | None = None, matmul_precision: str = "default") -> Model:
+         tokenizer: str | Path | None = None, matmul_precision: str = "default",
+         mesh=None) -> Model:
     """Loads a checkpoint directory.
 
     path:  None (default) loads the small model shipped inside the package ("nld-tiny",
@@ -117,6 +118,10 @@ def load(path: str | Path | None = None, dtype: str = "float32", lora: bool | No
            operands then run as TF32; bfloat16 operands always accumulate in float32);
            "high" or "highest" ask for more (full float32 products: what the paper's
            FP32 SetDLM runs use). Part of the compiled programs' key.
+    mesh:  a `jax.sharding.Mesh` with axes ("data", "model") (`sharding.make_mesh`): every
+           weight is placed on its shards as it is read (tensor-parallel over "model", see
+           sharding.RULES), each device receiving only its slice. Decoding the model then
+           runs on the mesh, batches split over "data".
     """
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; expected one of {DTYPES}")
@@ -131,12 +136,14 @@ def load(path: str | Path | None = None, dtype: str = "float32", lora: bool | No
                               "lora=False to drop it")
         if lora and not config.lora_rank:
             raise CheckpointError(f"lora=True but {path} was converted without an adapter")
-        params = store.restore(path, config, verify=verify, progress=progress)
+        params = store.restore(path, config, verify=verify, progress=progress,
+                               place=None if mesh is None else sharding.placer(config, mesh))
     else:
         config = hf_config(path, dtype, lora, base_config)
         # Each tensor goes to the device as it is read (jax.device_put copies once;
         # jnp.asarray would copy twice), so loading holds one tensor besides the params.
-        params = read_weights(path, config, progress=progress, place=jax.device_put)
+        place = jax.device_put if mesh is None else sharding.placer(config, mesh)
+        params = read_weights(path, config, progress=progress, place=place)
     if tokenizer is not None:
         tokenizer = Path(tokenizer)
         if not tokenizer.exists():

@@ -67,15 +67,16 @@ def reachable(comps: dict[str, list[str]], root: str) -> set[str]:
 
 
 def _updates_in_place(comps, line: str) -> bool:
-    """A fusion whose root is a dynamic-update-slice of one of its parameters: XLA writes
-    only the update into the operand's buffer. (A root that converts or bitcasts the
-    updated buffer makes the fusion rewrite the whole buffer.)"""
+    """A fusion whose root is a dynamic-update-slice or a scatter (a batch of sequences
+    each writing its own slots) of one of its parameters: XLA writes only the update into
+    the operand's buffer. (A root that converts or bitcasts the updated buffer makes the
+    fusion rewrite the whole buffer.)"""
     called = _CALLS.search(line)
     if not called:
         return False
     lines = comps.get(called.group(1), [])
     root = next((x for x in lines if x.strip().startswith("ROOT ")), "")
-    m = re.search(r"dynamic-update-slice\(%([\w.\-]+)", root)
+    m = re.search(r"(?:dynamic-update-slice|scatter)\(%([\w.\-]+)", root)
     return bool(m) and any(re.match(r"\s*%" + re.escape(m.group(1)) + r" = .* parameter\(", x)
                            for x in lines)
 
@@ -101,7 +102,10 @@ def body_results(hlo: str) -> list[tuple[str, str, tuple[int, ...], str]]:
 
 def rebuilt(results, shape: tuple[int, ...]) -> list[str]:
     """Instructions of `results` that make a buffer of `shape` (any dtype) other than by an
-    in-place update: a copy, a convert, a transpose or a rewrite of the whole buffer."""
-    keep = ("parameter", "get-tuple-element", "dynamic-update-slice", "update-in-place")
+    in-place update: a copy, a convert, a transpose or a rewrite of the whole buffer.
+    (XLA updates the operand of a dynamic-update-slice or scatter in place: where it could
+    not, copy insertion puts an explicit copy in front, which this reports.)"""
+    keep = ("parameter", "get-tuple-element", "dynamic-update-slice", "scatter",
+            "update-in-place")
     return [f"{name} ({dtype}, {opcode})" for name, dtype, dims, opcode in results
             if dims == shape and opcode not in keep]

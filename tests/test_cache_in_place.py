@@ -53,8 +53,8 @@ def test_bf16_decode_loop_never_copies_the_cache(schedule):
     _check(hlo, m.config, slots, schedule)
 
 
-def _check(hlo: str, c, slots: int, schedule: str) -> None:
-    shape = (c.num_kv_heads, slots, c.head_dim)
+def _check(hlo: str, c, slots: int, schedule: str, batch: tuple[int, ...] = ()) -> None:
+    shape = batch + (c.num_kv_heads, slots, c.head_dim)
     stored = hlo_dtype(cache_lib.storage_dtype(model_lib.param_dtype(c)))
     state = loop_state(hlo)
     assert state.count((stored, shape)) == 2 * c.num_layers, (
@@ -91,3 +91,24 @@ def test_setdlm_bf16_loop_never_copies_the_cache():
     hlo, slots = compiled(m, [3, 4, 5, 6], schedule="packed", order="confidence", width=3,
                           max_new_tokens=20, cache_size=BF16_CAPACITY)
     _check(hlo, c, slots, "setdlm packed")
+
+
+@pytest.mark.parametrize("family", ["nemotron", "setdlm"])
+def test_batched_loop_never_copies_the_cache(family):
+    """The batched loop (batched.py) of a sampled Packed-SS batch, the programs of
+    tests/test_batched.py: one [N, kv_heads, slots, head_dim] buffer per layer, written in
+    place by the step's scatter, finished sequences included."""
+    from test_batched import MAX_NEW, SEEDS, SETUPS
+
+    setup = SETUPS[family]
+    m = setup["model"]()
+    f = families.of(m.config)
+    options = dict(setup["options"])
+    width = options.pop(f.width_name)
+    batch = engine.prepare_batch(m, f, setup["prompts"], seed=SEEDS, schedule="packed",
+                                 width=width, max_new_tokens=MAX_NEW, temperature=1.0, **options)
+    exe, _ = engine.compiled_batch(m, f, batch)
+    p = batch.program
+    slots = p.capacity + (p.width if f.width_counts_x else 2 * p.width + 2)
+    _check(exe.as_text(), m.config, slots, f"batched {family} packed",
+           batch=(len(batch.requests),))

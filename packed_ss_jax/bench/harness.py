@@ -80,9 +80,26 @@ def sample_seed(seed: int, prompt: int, sample: int, samples: int) -> int:
     return seed + prompt * samples + sample
 
 
+def batches(prompts, size: int, samples: int = 1) -> list[list[int]]:
+    """The run's responses (sample j of prompt i is response i * samples + j) in static
+    batches of at most `size` consecutive ones; a batch holds responses with the same
+    output cap and EOS rule (one program decodes them)."""
+    def rule(r):
+        p = prompts[r // samples]
+        return p.max_new_tokens, p.stop_at_eos
+
+    out = []
+    for r in range(len(prompts) * samples):
+        if out and len(out[-1]) < size and rule(out[-1][0]) == rule(r):
+            out[-1].append(r)
+        else:
+            out.append([r])
+    return out
+
+
 def run(model, prompts, schedules, widths, *, capacity: int, temperature=0.0, seed=0,
         max_new_tokens=None, repeats=1, split="null", order="ltr", samples=1,
-        progress=True) -> dict:
+        progress=True, batch_size=1) -> dict:
     """Per schedule, per prompt: tokens, wall, NFE, model time, correctness.
 
     With `samples` > 1 every prompt is answered that many times per schedule, sample j of
@@ -97,14 +114,21 @@ def run(model, prompts, schedules, widths, *, capacity: int, temperature=0.0, se
     `timing`): by one whose forward costs nothing (`split="null"`: that decode's time,
     scaled to the real iteration count, is the non-model work) or by one that does every
     forward pass twice (`split="doubled"`: the extra wall time is the model's).
+
+    With `batch_size` N > 1, consecutive responses are decoded N at a time (`batches`),
+    each batch one program run until its last sequence stops; every response keeps its
+    own seed, so its tokens are those decoded alone. A batch's wall time (and model time)
+    is shared equally by its responses, so sums over prompts are totals; `calls` is each
+    response's share of the batch's forward calls (the most NFE in the batch).
     """
     if not prompts:
         raise ValueError("no prompts to run")
-    for name, value in (("repeats", repeats), ("samples", samples)):
+    for name, value in (("repeats", repeats), ("samples", samples),
+                        ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     per = {s: {"tokens": [], "wall_s": [], "nfe": [], "iterations": [], "model_s": [],
-               "correct": [], "max_rows": [], "hist": None} for s in schedules}
+               "calls": [], "correct": [], "max_rows": [], "hist": None} for s in schedules}
     if split is not None and split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS} or None, got {split!r}")
     other = timing.Null(model) if split == "null" else timing.Doubled(model)
@@ -114,63 +138,85 @@ def run(model, prompts, schedules, widths, *, capacity: int, temperature=0.0, se
     def width(s):
         return widths[s] or model.config.block_size
 
-    def one(s, p, sd, m=model):
-        return api.decode(m, p.text, schedule=s, **{family.width_name: width(s)},
-                          order=family.orders[0] if s in family.orderless else order,
-                          max_new_tokens=max_new_tokens or p.max_new_tokens,
-                          eos_id=-1 if p.stop_at_eos else None, temperature=temperature,
-                          seed=sd, cache_size=capacity)
+    def one(s, group, m=model) -> list:
+        p = prompts[group[0] // samples]
+        kw = dict(schedule=s, **{family.width_name: width(s)},
+                  order=family.orders[0] if s in family.orderless else order,
+                  max_new_tokens=max_new_tokens or p.max_new_tokens,
+                  eos_id=-1 if p.stop_at_eos else None, temperature=temperature,
+                  cache_size=capacity)
+        seeds = [sample_seed(seed, r // samples, r % samples, samples) for r in group]
+        if batch_size == 1:
+            return [api.decode(m, p.text, seed=seeds[0], **kw)]
+        return api.decode(m, [prompts[r // samples].text for r in group], seed=seeds, **kw)
 
     def rows_per_call(s, r):
         if r.max_rows is not None:  # SetDLM: the decode counts its rows
             return r.max_rows
         return accounting.adapter_rows(s, width(s), False)["max_rows_per_call"]
 
+    groups = batches(prompts, batch_size, samples)
     for s in schedules:  # warm-up: compile, and run once, outside the measurements
-        one(s, prompts[0], seed)
-        if split:
-            one(s, prompts[0], seed, other)
+        for group in {len(g): g for g in groups}.values():  # every batch size used
+            one(s, group)
+            if split:
+                one(s, group, other)
     t0 = time.monotonic()
-    for i, p in enumerate(prompts):
-        sums = {s: dict(tokens=0, wall_s=0.0, nfe=0, iterations=0, model_s=0.0, max_rows=0)
-                for s in schedules}
-        scores = {s: [] for s in schedules}
-        for j in range(samples):
-            sd = sample_seed(seed, i, j, samples)
-            runs = {s: [] for s in schedules}
-            replaced = {s: [] for s in schedules}
-            for _ in range(repeats):
-                for s in schedules:
-                    runs[s].append(one(s, p, sd))
-                    if split:
-                        replaced[s].append(one(s, p, sd, other))
+    sums = {s: [dict(tokens=0, wall_s=0.0, nfe=0, iterations=0, model_s=0.0, calls=0.0,
+                     max_rows=0) for _ in prompts] for s in schedules}
+    scores = {s: [[] for _ in prompts] for s in schedules}
+    done = 0
+    for group in groups:
+        runs = {s: [] for s in schedules}
+        replaced = {s: [] for s in schedules}
+        for _ in range(repeats):
             for s in schedules:
-                r = min(runs[s], key=lambda x: x.wall_s)
-                d, t = per[s], sums[s]
+                runs[s].append(one(s, group))
+                if split:
+                    replaced[s].append(one(s, group, other))
+        n = len(group)
+        for s in schedules:
+            rs = min(runs[s], key=lambda x: x[0].wall_s)
+            wall = rs[0].wall_s  # the batch's
+            if split:
+                o = min(replaced[s], key=lambda x: x[0].wall_s)
+                if split == "null":
+                    it_r = max(r.iterations for r in rs)
+                    it_o = max(r.iterations for r in o)
+                    model_s = wall - o[0].wall_s * (it_r + 1) / (it_o + 1)
+                else:
+                    model_s = o[0].wall_s - wall
+            calls = max(r.nfe for r in rs)
+            d = per[s]
+            for response, r in zip(group, rs):
+                i = response // samples
+                t = sums[s][i]
                 t["tokens"] += len(r.tokens)
-                t["wall_s"] += r.wall_s
+                t["wall_s"] += wall / n
                 t["nfe"] += r.nfe
                 t["iterations"] += r.iterations
+                t["calls"] += calls / n
                 t["max_rows"] = max(t["max_rows"], rows_per_call(s, r))
-                d["hist"] = r.accept_hist if d["hist"] is None else d["hist"] + r.accept_hist
                 if split:
-                    o = min(replaced[s], key=lambda x: x.wall_s)
-                    if split == "null":
-                        non_model = o.wall_s * (r.iterations + 1) / (o.iterations + 1)
-                        t["model_s"] += r.wall_s - non_model
-                    else:
-                        t["model_s"] += o.wall_s - r.wall_s
-                if p.score is not None:
-                    scores[s].append(bool(p.score(r.text if r.text is not None else "")))
-        for s in schedules:
-            d = per[s]
-            for k, v in sums[s].items():
+                    t["model_s"] += model_s / n
+                d["hist"] = r.accept_hist if d["hist"] is None else d["hist"] + r.accept_hist
+                if prompts[i].score is not None:
+                    scores[s][i].append(bool(prompts[i].score(r.text if r.text is not None
+                                                              else "")))
+        done = group[-1] // samples + 1
+        if progress:
+            sys.stderr.write(f"\rprompts {done}/{len(prompts)} ({time.monotonic() - t0:.0f}s)")
+            sys.stderr.flush()
+    for s in schedules:
+        d = per[s]
+        for i, p in enumerate(prompts):
+            for k, v in sums[s][i].items():
                 if k != "model_s" or split:
                     d[k].append(v)
             if p.score is not None:
-                d["correct"].append(scores[s][0] if samples == 1 else scores[s])
+                d["correct"].append(scores[s][i][0] if samples == 1 else scores[s][i])
         if progress:
-            sys.stderr.write(f"\rprompts {i + 1}/{len(prompts)} ({time.monotonic() - t0:.0f}s)")
+            sys.stderr.write(f"\rprompts {done}/{len(prompts)} ({time.monotonic() - t0:.0f}s)")
             sys.stderr.flush()
     if progress:
         sys.stderr.write("\n")
@@ -242,7 +288,7 @@ def cache_size_for(model, prompts, max_new_tokens=None) -> int:
 
 def summarize(model_name: str, task: str, per: dict, widths, config_width: int,
               resamples: int = stats.RESAMPLES, family: str = "nemotron",
-              samples: int = 1) -> dict:
+              samples: int = 1, batch_size: int = 1, mesh: dict | None = None) -> dict:
     """The run's table: totals and rates per schedule (means per response), and Packed-SS
     against each baseline with paired bootstrap intervals over prompts (every response
     of a resampled prompt included; the wall difference is per response)."""
@@ -255,12 +301,15 @@ def summarize(model_name: str, task: str, per: dict, widths, config_width: int,
     for s, d in per.items():
         tokens, wall, nfe = (np.asarray(d[k], float) for k in ("tokens", "wall_s", "nfe"))
         model_s = float(np.sum(d["model_s"]))
+        calls = float(np.sum(d["calls"])) if d.get("calls") else float(nfe.sum())
         results[s] = {
             fam.width_name: None if s == fam.reference else (widths[s] or config_width),
             "tokens": int(tokens.sum()), "mean_tokens": float(tokens.mean() / samples),
             "wall_s": float(wall.sum()), "nfe": int(nfe.sum()),
             "tokens_per_nfe": float(tokens.sum() / nfe.sum()),
             "time_per_nfe_ms": float(1e3 * wall.sum() / nfe.sum()),
+            # One forward call of the batch (all its sequences): time/NFE at batch size 1.
+            "time_per_call_ms": float(1e3 * wall.sum() / calls),
             "throughput_tok_s": float(tokens.sum() / wall.sum()),
             "model_time_s": model_s,
             "non_model_time_s": float(wall.sum() - model_s),
@@ -290,12 +339,14 @@ def summarize(model_name: str, task: str, per: dict, widths, config_width: int,
                 acc = stats.paired_accuracy(per[s]["correct"], per["linear"]["correct"], idx)
                 figure3[s]["accuracy_diff_pp"] = {"diff": acc["diff_pp"], "ci95": acc["ci95_pp"]}
     return {"model": model_name, "family": family, "width_name": fam.width_name, "task": task,
-            "n_prompts": n, "samples": samples, "results": results,
+            "n_prompts": n, "samples": samples, "batch_size": batch_size, "mesh": mesh,
+            "results": results,
             "paired": paired, "ratios_to_linear": figure3, "bootstrap_resamples": resamples,
             "warmup": "each schedule decoded the first prompt once before timing; "
                       "compilation is ahead of time and never inside wall_s",
             "wall_s_is": "per prompt, the sum over its responses of the fastest of `repeats` "
-                         "identical decodes",
+                         "identical decodes (with a batch size N > 1: each response's 1/N "
+                         "share of its batch's)",
             "per_prompt": {s: {k: d[k] for k in ("tokens", "wall_s", "nfe", "iterations",
                                                  "model_s", "correct") if k in d}
                            for s, d in per.items()}}
@@ -304,15 +355,20 @@ def summarize(model_name: str, task: str, per: dict, widths, config_width: int,
 def markdown(summary: dict) -> str:
     family = families.FAMILIES[summary.get("family", "nemotron")]
     width_name, label = family.width_name, family.width_symbol
-    rows = [f"| schedule | {label} | tokens | mean tokens | wall (s) | NFE | tokens/NFE "
-            "| time/NFE (ms) | throughput (tok/s) | non-model time | accuracy |",
-            "|" + "---|" * 11]
+    batch = summary.get("batch_size", 1)
+    mesh = mesh_label(summary.get("mesh"))
+    # tokens/NFE is per sequence; time/call is one forward call of the whole batch.
+    rows = [f"| schedule | {label} | batch | mesh | tokens | mean tokens | wall (s) | NFE "
+            "| tokens/NFE | time/call (ms) | throughput (tok/s) | non-model time | accuracy |",
+            "|" + "---|" * 13]
     for s, r in summary["results"].items():
         acc = "-" if r["accuracy"] is None else f"{100 * r['accuracy']:.1f}%"
-        rows.append(f"| {s} | {r[width_name] or '-'} | {r['tokens']} | {r['mean_tokens']:.1f} | "
-                    f"{r['wall_s']:.2f} | {r['nfe']} | {r['tokens_per_nfe']:.2f} | "
-                    f"{r['time_per_nfe_ms']:.2f} | {r['throughput_tok_s']:.1f} | "
-                    f"{100 * r['non_model_fraction']:.1f}% | {acc} |")
+        per_call = r.get("time_per_call_ms", r["time_per_nfe_ms"])
+        rows.append(f"| {s} | {r[width_name] or '-'} | {batch} | {mesh} | {r['tokens']} | "
+                    f"{r['mean_tokens']:.1f} | {r['wall_s']:.2f} | {r['nfe']} | "
+                    f"{r['tokens_per_nfe']:.2f} | {per_call:.2f} | "
+                    f"{r['throughput_tok_s']:.1f} | {100 * r['non_model_fraction']:.1f}% | "
+                    f"{acc} |")
     if summary["paired"]:
         rows += ["", "| Packed-SS vs | throughput ratio [95% CI] | wall diff per response (s) "
                  "[95% CI] | accuracy diff (points) [95% CI] |", "|---|---|---|---|"]
@@ -330,6 +386,11 @@ def markdown(summary: dict) -> str:
     for s, r in summary["results"].items():
         hist.append(f"  {s}: {r['accept_hist']}")
     return "\n".join(rows + hist)
+
+
+def mesh_label(mesh: dict | None) -> str:
+    """'data=2,model=4', or '-' for one device."""
+    return ",".join(f"{k}={v}" for k, v in mesh.items()) if mesh else "-"
 
 
 def check_plot(path: str, schedules) -> None:
@@ -581,6 +642,9 @@ def _main(argv: list[str] | None, prog: str) -> int:
     p.add_argument("--split", choices=SPLITS, default="null",
                    help="how the model / non-model time split is measured: null (a decode whose "
                         "forward computes nothing) or doubled (every forward done twice)")
+    p.add_argument("--batch-size", type=int_at_least(1), default=1,
+                   help="decode this many consecutive prompts at once (static batches, each "
+                        "run until its last sequence stops; per prompt the same tokens)")
     p.add_argument("--limit", type=int_at_least(1), default=None,
                    help="first N prompts (offline tasks: 100)")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=None,
@@ -719,14 +783,16 @@ def _main(argv: list[str] | None, prog: str) -> int:
                           file=sys.stderr)
                     kw = dict(temperature=args.temperature, seed=args.seed,
                               max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                              capacity=capacity[task], order=order, samples=args.samples)
+                              capacity=capacity[task], order=order, samples=args.samples,
+                              batch_size=args.batch_size)
                     used_widths, probe_rows = {s: ws[s] for s in run_schedules}, []
                     if sizes:
                         used_widths, probe_rows = probe(model, prompts, run_schedules, sizes,
                                                         used_widths, **kw)
                     per = run(model, prompts, run_schedules, used_widths, split=args.split, **kw)
                     summary = summarize(name, task, per, used_widths, config.block_size,
-                                        args.resamples, family=family.name, samples=args.samples)
+                                        args.resamples, family=family.name, samples=args.samples,
+                                        batch_size=args.batch_size, mesh=args.mesh)
                     summary.update(temperature=args.temperature, repeats=args.repeats,
                                    probe=probe_rows, time_split=args.split, order=order,
                                    seed=args.seed, cache_size=capacity[task])

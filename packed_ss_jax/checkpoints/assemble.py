@@ -289,7 +289,11 @@ def read(reads: list[Read], source: Source, dtype, place: Callable | None = None
         assert host.shape == r.shape, (r.name, host.shape, r.shape)
         if bad := count_non_finite(host):
             non_finite.append(_non_finite_report(r.name, host, bad))
-        _set_path(params, r.path, host if place is None else place(host))
+        if place is not None:
+            # A placer that takes the param's path (sharding.placer) puts each slice on
+            # its own device.
+            host = place(host, r.path) if getattr(place, "with_path", False) else place(host)
+        _set_path(params, r.path, host)
         del host
         bar.step(nbytes=math.prod(r.shape) * dtype.itemsize)
     if non_finite:

@@ -480,7 +480,9 @@ def _place(params: dict, name: str, a: np.ndarray, target, place):
     node = params
     for k in keys[:-1]:
         node = node.setdefault(k, {})
-    node[keys[-1]] = place(a if a.dtype == target else a.astype(target))
+    a = a if a.dtype == target else a.astype(target)
+    # A placer that shards (`sharding.placer`) needs the weight's path to pick its shards.
+    node[keys[-1]] = place(a, keys) if getattr(place, "with_path", False) else place(a)
 
 
 def _raise_unreadable(params_dir: Path, as_stored, found_tree, error: Exception):

@@ -23,18 +23,41 @@ SCHEDULES = {
 }
 
 
-def build(m, p):
-    """The pure decode function of one program; `p.width` is the block size B (1 for AR)."""
-    init, step = SCHEDULES[p.schedule]
+def parts(m, p):
+    """The decode program of one program `p` in three pure pieces, `p.width` the block
+    size B (1 for AR):
+
+        start(params, prompt, n, limits, key) -> State   the first call
+        step(params, State) -> State                     one loop iteration
+        outcome(State) -> dict                           what the driver reads
+
+    `build` runs them as one `lax.while_loop`; the batched driver (batched.py) runs
+    `step` over a batch of states in one loop."""
+    init, step_fn = SCHEDULES[p.schedule]
     B, sampler = p.width, p.sampler
 
-    def run(params, prompt, n, limits, key):
-        s = init(m, params, prompt, n, B=B, capacity=p.capacity, max_new=limits["max_new"],
-                 eos_id=limits["eos_id"], sampler=sampler, key=key)
-        s = jax.lax.while_loop(lambda s: ~s.done,
-                               lambda s: step(m, params, s, B=B, sampler=sampler), s)
+    def start(params, prompt, n, limits, key):
+        return init(m, params, prompt, n, B=B, capacity=p.capacity, max_new=limits["max_new"],
+                    eos_id=limits["eos_id"], sampler=sampler, key=key)
+
+    def step(params, s):
+        return step_fn(m, params, s, B=B, sampler=sampler)
+
+    def outcome(s):
         return dict(tokens=s.out, n_tokens=s.n_out, nfe=s.nfe, iterations=s.iterations,
                     accept_hist=s.hist, nonfinite_at=s.nonfinite_at)
+
+    return start, step, outcome
+
+
+def build(m, p):
+    """The pure decode function of one program: the first call, then the loop."""
+    start, step, outcome = parts(m, p)
+
+    def run(params, prompt, n, limits, key):
+        s = start(params, prompt, n, limits, key)
+        s = jax.lax.while_loop(lambda s: ~s.done, lambda s: step(params, s), s)
+        return outcome(s)
 
     return run
 

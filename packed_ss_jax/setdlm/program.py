@@ -53,20 +53,36 @@ def start(m, params, prompt, n, *, p, max_new, stop_tok, stop_len, key) -> State
         trace_fed=jnp.zeros(iters, jnp.int32), **sampled)
 
 
-def build(m, p):
-    """The pure decode function of one program (see the module doc)."""
-    step = SCHEDULES[p.schedule]
+def parts(m, p):
+    """The decode program in three pure pieces, `start(params, prompt, n, limits, key)
+    -> State`, `step(params, State) -> State` and `outcome(State) -> dict` (see
+    schedules.parts for the Nemotron family's)."""
+    step_fn = SCHEDULES[p.schedule]
 
-    def run(params, prompt, n, limits, key):
-        s = start(m, params, prompt, n, p=p, max_new=limits["max_new"],
-                  stop_tok=limits["stop_tok"], stop_len=limits["stop_len"], key=key)
-        s = jax.lax.while_loop(
-            lambda s: ~s.done,
-            lambda s: step(m, params, s, W=p.width, order=p.order, sampler=p.sampler), s)
+    def begin(params, prompt, n, limits, key):
+        return start(m, params, prompt, n, p=p, max_new=limits["max_new"],
+                     stop_tok=limits["stop_tok"], stop_len=limits["stop_len"], key=key)
+
+    def step(params, s):
+        return step_fn(m, params, s, W=p.width, order=p.order, sampler=p.sampler)
+
+    def outcome(s):
         return dict(tokens=s.tok, n_tokens=s.E, nfe=s.nfe, iterations=s.iterations,
                     accept_hist=s.hist, nonfinite_at=s.nonfinite_at, rows=s.rows,
                     max_rows=s.max_rows, trace_order=s.trace_out, trace_accepted=s.trace_A,
                     trace_fed=s.trace_fed)
+
+    return begin, step, outcome
+
+
+def build(m, p):
+    """The pure decode function of one program (see the module doc)."""
+    begin, step, outcome = parts(m, p)
+
+    def run(params, prompt, n, limits, key):
+        s = begin(params, prompt, n, limits, key)
+        s = jax.lax.while_loop(lambda s: ~s.done, lambda s: step(params, s), s)
+        return outcome(s)
 
     return run
 

@@ -1,0 +1,148 @@
+"""Device meshes: where every weight, sequence and cache buffer lives.
+
+One table (`RULES`) maps the logical axes of the arrays to the axes of a
+`jax.sharding.Mesh` with axes ("data", "model"): sequences of a batch on "data";
+tensor parallelism on "model" over attention heads, KV heads, the MLP hidden units and
+the vocabulary. `PARAM_AXES` names the logical axes of every weight, `CACHE_AXES` those
+of a batched cache buffer. A logical axis whose size the mesh axis does not divide is
+replicated instead: in particular a "model" axis larger than the number of KV heads
+replicates the KV heads (and their cache), as tensor-parallel servers do, while the
+query heads stay split. Shardings only place data: XLA (GSPMD) inserts the collectives,
+so every program computes what it computes on one device.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from .config import ModelConfig
+
+MESH_AXES = ("data", "model")
+
+# logical axis -> mesh axis (None: replicated)
+RULES = {
+    "batch": "data",
+    "heads": "model",       # query heads (q_proj's outputs, o_proj's inputs)
+    "kv_heads": "model",    # k_proj / v_proj outputs and the cache's head axis
+    "mlp": "model",         # the MLP hidden units
+    "vocab": "model",       # embedding rows and the head's outputs
+    "embed": None,
+    "head_dim": None,
+    "slots": None,
+    "rank": None,           # the draft-only adapter's rank
+}
+
+# weight name (the last key of its path) -> logical axes of its dimensions; norms
+# ("scale") and anything not named here are replicated.
+PARAM_AXES = {
+    "q_proj": ("embed", "heads"), "k_proj": ("embed", "kv_heads"),
+    "v_proj": ("embed", "kv_heads"), "o_proj": ("heads", "embed"),
+    "lora_a": ("heads", "rank"), "lora_b": ("rank", "embed"),
+    "gate_proj": ("embed", "mlp"), "up_proj": ("embed", "mlp"), "down_proj": ("mlp", "embed"),
+    "embed": ("vocab", "embed"), "head": ("embed", "vocab"),
+}
+
+CACHE_AXES = ("batch", "kv_heads", "slots", "head_dim")
+
+
+class MeshError(ValueError):
+    """A mesh specification that cannot describe a mesh of these devices."""
+
+
+def parse(spec: str) -> dict[str, int]:
+    """'data=2,model=4' -> {"data": 2, "model": 4} (an axis left out has size 1)."""
+    sizes = {a: 1 for a in MESH_AXES}
+    seen = set()
+    for part in filter(None, (x.strip() for x in spec.split(","))):
+        name, eq, value = (x.strip() for x in part.partition("="))
+        if not eq or name not in MESH_AXES or not value.isdigit() or int(value) < 1:
+            raise MeshError(f"mesh {spec!r}: {part!r} is not AXIS=SIZE with AXIS one of "
+                            f"{MESH_AXES} and SIZE an integer >= 1")
+        if name in seen:
+            raise MeshError(f"mesh {spec!r} names {name!r} twice")
+        seen.add(name)
+        sizes[name] = int(value)
+    return sizes
+
+
+def make_mesh(data: int = 1, model: int = 1, devices=None) -> Mesh:
+    """A ("data", "model") mesh over `devices` (default: every device of every process)."""
+    devices = jax.devices() if devices is None else list(devices)
+    if data * model != len(devices):
+        raise MeshError(f"a mesh of data={data} x model={model} needs {data * model} devices; "
+                        f"there are {len(devices)}")
+    return Mesh(np.asarray(devices).reshape(data, model), MESH_AXES)
+
+
+def _sizes(c: ModelConfig) -> dict[str, int]:
+    """The size of each logical axis in units that must stay whole on a device."""
+    return {"heads": c.num_heads, "kv_heads": c.num_kv_heads, "mlp": c.intermediate_size,
+            "vocab": c.vocab_size}
+
+
+def spec(axes, mesh: Mesh, sizes: dict[str, int]) -> PartitionSpec:
+    """The PartitionSpec of an array with these logical axes: each mapped by `RULES`,
+    replicated where the mesh axis is 1 or does not divide the logical size."""
+    out = []
+    for a in axes:
+        m = RULES.get(a)
+        n = mesh.shape.get(m, 1) if m else 1
+        out.append(m if n > 1 and sizes.get(a, 0) % n == 0 else None)
+    return PartitionSpec(*out)
+
+
+def param_spec(c: ModelConfig, mesh: Mesh, path: tuple[str, ...], ndim: int) -> PartitionSpec:
+    axes = PARAM_AXES.get(path[-1]) if path else None
+    if axes is None or len(axes) != ndim:
+        return PartitionSpec()
+    return spec(axes, mesh, _sizes(c))
+
+
+def param_shardings(c: ModelConfig, mesh: Mesh, params) -> Any:
+    """The NamedSharding of every weight of a params tree (decoding layout)."""
+    def one(path, x):
+        keys = tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
+        return NamedSharding(mesh, param_spec(c, mesh, keys, np.ndim(x)))
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def placer(c: ModelConfig, mesh: Mesh):
+    """`place(host_array, path)` for the checkpoint readers: the weight goes straight onto
+    its shards, each device receiving only its slice of the host array (no device ever
+    holds the whole of a split weight)."""
+    def place(host, path):
+        sharding = NamedSharding(mesh, param_spec(c, mesh, tuple(path), host.ndim))
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    place.with_path = True  # see checkpoints.assemble.read
+    return place
+
+
+def cache_spec(c: ModelConfig, mesh: Mesh, batch: int) -> PartitionSpec:
+    """The PartitionSpec of a batched cache buffer [batch, kv_heads, slots, head_dim]."""
+    return spec(CACHE_AXES, mesh, dict(_sizes(c), batch=batch))
+
+
+def batch_spec(mesh: Mesh, batch: int) -> PartitionSpec:
+    """Leading batch axis on "data" (replicated when "data" does not divide it)."""
+    return spec(("batch",), mesh, {"batch": batch})
+
+
+def mesh_of(params) -> Mesh | None:
+    """The mesh the params are placed on (None: one device, or not a named sharding)."""
+    for x in jax.tree.leaves(params):
+        s = getattr(x, "sharding", None)
+        if isinstance(s, NamedSharding) and math.prod(s.mesh.shape.values()) > 1:
+            return s.mesh
+    return None
+
+
+def describe(mesh: Mesh | None) -> dict[str, int] | None:
+    """{"data": D, "model": M} of a mesh (None for one device), for reports."""
+    return None if mesh is None else {a: int(mesh.shape[a]) for a in mesh.axis_names}
