@@ -88,7 +88,13 @@ def _generate(argv: list[str] | None, prog: str) -> int:
     p.add_argument("--order", default=None,
                    help="SetDLM: verification order, ltr (default) or confidence")
     p.add_argument("--stop", action="append", type=stop_marker, default=[],
-                   help="SetDLM: a stop marker, token ids ('13,13') or text; repeatable")
+                   help="a stop marker, token ids ('13,13') or text; repeatable")
+    p.add_argument("--chat", action="store_true",
+                   help="the prompt is a user message: render it with the checkpoint's chat "
+                        "template (and --system)")
+    p.add_argument("--system", default=None, help="with --chat: a system message first")
+    p.add_argument("--no-thinking", action="store_true",
+                   help="with --chat: pass enable_thinking=False to the template")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=64)
     p.add_argument("--no-eos", action="store_true", help="ignore EOS (stop at the length limit)")
     p.add_argument("--temperature", type=temperature, default=0.0,
@@ -103,6 +109,10 @@ def _generate(argv: list[str] | None, prog: str) -> int:
         p.error("give a prompt (text) or --ids, not both")
     if args.prompt is not None and not args.prompt.strip():
         p.error("the prompt is empty: give some text, e.g. packed-ss generate \"Question: ...\"")
+    if args.chat and args.prompt is None:
+        p.error("--chat needs the user's message as the prompt text")
+    if (args.system is not None or args.no_thinking) and not args.chat:
+        p.error("--system and --no-thinking go with --chat")
 
     from . import api
 
@@ -119,11 +129,25 @@ def _generate(argv: list[str] | None, prog: str) -> int:
         options["order"] = args.order
     if args.stop:
         options["stop_sequences"] = args.stop
-    prompt = args.ids if args.ids is not None else args.prompt
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                   [{"role": "user", "content": args.prompt}]
+        options["messages"] = messages
+        if args.no_thinking:
+            options["chat_template_kwargs"] = {"enable_thinking": False}
+    else:
+        options["prompt"] = args.ids if args.ids is not None else args.prompt
     schedules = list(family.schedules) if args.schedule == "all" else [args.schedule]
-    results = [api.decode(model, prompt, schedule=s, **options) for s in schedules]
-    first = results[0]
-    print(first.text if first.text is not None else " ".join(map(str, first.tokens)))
+    # The first schedule prints as it decodes; the others (--schedule all) only add rows.
+    first = None
+    for piece in api.stream(model, schedule=schedules[0], **options):
+        if piece.text is not None:
+            print(piece.text, end="", flush=True)
+        elif piece.tokens:
+            print(" ".join(map(str, piece.tokens)), end=" ", flush=True)
+        first = piece.result or first
+    print()
+    results = [first] + [api.decode(model, schedule=s, **options) for s in schedules[1:]]
     exact = [r for r in results if r.schedule not in family.inexact]
     if args.temperature == 0 and any(r.tokens != exact[0].tokens for r in exact[1:]):
         print("warning: schedules disagree (numerical near-tie?)", file=sys.stderr)

@@ -11,6 +11,14 @@ loop has stopped. Each program is lowered and compiled ahead of time once per mo
 config (`aot`); a new prompt in the same bucket, a new length limit, stop markers or
 seed reuse it.
 
+`Chunked` runs the same loop a few iterations per launch (the family's `Loop.start` and
+`Loop.resume`, see loop.py), the state donated from launch to launch so the KV cache
+stays in place, and hands out the tokens that became final after each launch: the
+tokens of `run`, as they are produced (streaming).
+
+Stops given as text are also searched for in the decoded text (stops.cut_text): the
+output ends at the earliest stop, whether the loop saw it as tokens or not.
+
 A loop that read NaN or Inf logits stops there and reports where (see
 schedules/state.py, setdlm/state.py); `check_finite` turns that into a
 `NonFiniteError` on the host, for every family and schedule.
@@ -26,11 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import compile_cache, requests
+from . import compile_cache, requests, stops
 from .requests import InputError
 from .sampling import Sampler
 
 MIN_BUCKET = 16
+DEFAULT_CHUNK = 16   # loop iterations per launch when streaming
 MIN_CAPACITY = 128
 DEFAULT_CACHE_SIZE = 4096
 
@@ -57,6 +66,7 @@ class Request:
     limits: dict[str, Any]    # the family's traced limits (length limit, EOS / stop markers)
     seed: int
     max_new: int
+    stop_texts: tuple[str, ...] = ()   # stops given as text, searched for on the host
 
     def args(self, seed=None):
         """The program's arguments after params: padded prompt, its length, limits, seed."""
@@ -90,6 +100,11 @@ class DecodeResult:
     orders: list = dataclasses.field(default_factory=list)
     accepted: list = dataclasses.field(default_factory=list)
     fed: list = dataclasses.field(default_factory=list)
+    # "stop" (EOS, a stop marker or stop string), or "length" (max_new_tokens reached).
+    finish_reason: str = "length"
+    # Where the stop string that ended the output begins in `text` (None: no text stop);
+    # text[:stop_at] is the output without it.
+    stop_at: int | None = None
 
     @property
     def tokens_per_nfe(self) -> float:
@@ -218,7 +233,8 @@ def prepare(model, family, prompt, *, seed=0, **options) -> Request:
                                            tokenizer=getattr(model, "tokenizer", None), **options)
     requests.fits(len(ids), max_new, program.capacity)
     program = dataclasses.replace(program, bucket=bucket_for(len(ids), program.capacity))
-    return Request(program, ids, limits, seed, max_new)
+    return Request(program, ids, limits, seed, max_new,
+                   stops.texts(options.get("stop_sequences", ())))
 
 
 # --- compiled programs ----------------------------------------------------------------------
@@ -236,14 +252,15 @@ def executables(model_key: Hashable) -> dict[Program, Any]:
             if len(k) == 2 and k[0] == model_key and isinstance(k[1], Program)}
 
 
-def aot(key: Hashable, fn: Callable, *args) -> tuple[Any, float]:
+def aot(key: Hashable, fn: Callable, *args, donate: tuple[int, ...] = ()) -> tuple[Any, float]:
     """`fn` lowered and compiled for `args` once per hashable `key` (every decode program
-    goes through here); returns it and the seconds spent compiling now."""
+    goes through here); returns it and the seconds spent compiling now. `donate`: the
+    arguments whose buffers the program may reuse for its outputs."""
     if key in _compiled:
         return _compiled[key], 0.0
     compile_cache.ensure()
     t0 = time.perf_counter()
-    exe = jax.jit(fn).lower(*args).compile()
+    exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
     _compiled[key] = exe
     return exe, time.perf_counter() - t0
 
@@ -255,17 +272,22 @@ def seeded(run: Callable) -> Callable:
                                                        jax.random.PRNGKey(seed))
 
 
+def loop_of(model, family, request: Request):
+    """The family's decode loop (loop.Loop) of a request's program."""
+    return family.build(model, request.program)
+
+
 def lower(model, family, request: Request):
     """The decode program of a request, lowered for the model's params: arrays, or
     `jax.ShapeDtypeStruct`s to read a real-size program's HLO, cost and memory without
     allocating any weight."""
-    return jax.jit(seeded(family.build(model, request.program))).lower(model.params,
+    return jax.jit(seeded(loop_of(model, family, request).run)).lower(model.params,
                                                                       *request.args())
 
 
 def compiled(model, family, request: Request) -> tuple[Any, float]:
     """The compiled program of a request and the seconds spent compiling it now."""
-    run = seeded(family.build(model, request.program))
+    run = seeded(loop_of(model, family, request).run)
     return aot((model.key, request.program), run, model.params, *request.args())
 
 
@@ -281,6 +303,87 @@ def run(model, family, request: Request) -> DecodeResult:
     return result(model, family, request, out, wall, compile_s)
 
 
+class Chunked:
+    """One request decoded `k` loop iterations per launch, for streaming:
+
+        decode = Chunked(model, family, request, k)
+        for new_ids in decode: ...      # the ids that became final in each launch
+        decode.result()                 # the DecodeResult, `run`'s (stats included)
+
+    The launches run the family's `Loop.start` (the first call) and then `Loop.resume`
+    (at most k iterations of the same loop body), the state donated from one launch to
+    the next, so the cache is updated in place and the tokens are those of `run`
+    (greedy, and sampled with the same seed). After each launch only the output tokens,
+    their final count and the done flag come back to the host. Stopping early (a client
+    gone, a stop string seen on the host) is just not iterating further; `result()` then
+    describes the output so far."""
+
+    def __init__(self, model, family, request: Request, k: int = DEFAULT_CHUNK):
+        self.model, self.family, self.request = model, family, request
+        self.k = requests.integer(k, "chunk", 1)
+        (self._start, self._resume, self._outcome), self.compile_s = chunk_programs(
+            model, family, request)
+        self.state, self.tokens, self.count, self.done = None, None, 0, False
+        self.wall_s = 0.0
+
+    def launch(self) -> list[int]:
+        """One launch (the first call, or up to k iterations); the newly final ids."""
+        if self.done:
+            return []
+        t0 = time.perf_counter()
+        if self.state is None:
+            self.state, progress = self._start(self.model.params, *self.request.args())
+        else:
+            self.state, progress = self._resume(self.model.params, self.state,
+                                                np.int32(self.k))
+        tokens, count, done = jax.device_get(progress)
+        self.wall_s += time.perf_counter() - t0
+        new = np.asarray(tokens)[self.count: int(count)].tolist()
+        self.tokens, self.count, self.done = tokens, int(count), bool(done)
+        return new
+
+    def __iter__(self):
+        while not self.done:
+            yield self.launch()
+
+    def result(self) -> DecodeResult:
+        """The DecodeResult of the launches so far (NonFiniteError as `run` raises it)."""
+        if self.state is None:
+            self.launch()
+        out = jax.device_get(self._outcome(self.state))
+        if not self.done:  # stopped early: only the final tokens so far
+            out["n_tokens"] = self.count
+        check_finite(out["nonfinite_at"], out["iterations"], out["tokens"])
+        return result(self.model, self.family, self.request, out, self.wall_s, self.compile_s)
+
+
+def chunk_programs(model, family, request: Request):
+    """The compiled (start, resume, outcome) programs of a request (see `Chunked`), and
+    the seconds spent compiling them now.
+
+    start(params, prompt, n, limits, seed) -> (state, progress);
+    resume(params, state, k) -> (state, progress), the state donated;
+    outcome(state) -> the outcome dict of `run`. progress: (tokens, final count, done)."""
+    loop = loop_of(model, family, request)
+
+    def start(params, prompt, n, limits, seed):
+        s = loop.start(params, prompt, n, limits, jax.random.PRNGKey(seed))
+        return s, loop.progress(s)
+
+    def resume(params, s, k):
+        s = loop.resume(params, s, k)
+        return s, loop.progress(s)
+
+    args = request.args()
+    state = jax.eval_shape(start, model.params, *args)[0]
+    key = (model.key, request.program)
+    exe_start, c0 = aot(key + ("start",), start, model.params, *args)
+    exe_resume, c1 = aot(key + ("resume",), resume, model.params, state,
+                         jax.ShapeDtypeStruct((), jnp.int32), donate=(1,))
+    exe_outcome, c2 = aot(key + ("outcome",), loop.outcome, state)
+    return (exe_start, exe_resume, exe_outcome), c0 + c1 + c2
+
+
 def result(model, family, request: Request, out: dict, wall_s: float,
            compile_s: float) -> DecodeResult:
     """The DecodeResult of one decode's outcome (host arrays)."""
@@ -288,6 +391,14 @@ def result(model, family, request: Request, out: dict, wall_s: float,
     iters = int(out["iterations"])
     tokens = np.asarray(out["tokens"])[: int(out["n_tokens"])].tolist()
     tokenizer = getattr(model, "tokenizer", None)
+    text = tokenizer.decode(tokens) if tokenizer is not None else None
+    finish = "stop" if (len(tokens) < request.max_new or stops.ends_with_marker(
+        tokens, request.limits["stop_tok"], request.limits["stop_len"])) else "length"
+    stop_at = None
+    cut = stops.cut_text(tokenizer.decode, tokens, request.stop_texts) if text else None
+    if cut is not None:
+        tokens, text, stop_at = cut
+        finish = "stop"
     W = family.window(p.width)
     extra = {}
     if "rows" in out:
@@ -299,8 +410,8 @@ def result(model, family, request: Request, out: dict, wall_s: float,
         tokens=tokens, nfe=int(out["nfe"]), iterations=iters,
         accept_hist=np.asarray(out["accept_hist"]), wall_s=wall_s, compile_s=compile_s,
         schedule=p.schedule, block_size=W + 1, prompt_len=len(request.prompt),
-        text=tokenizer.decode(tokens) if tokenizer is not None else None, family=family.name,
-        window=W, order=p.order, **extra)
+        text=text, family=family.name, window=W, order=p.order, finish_reason=finish,
+        stop_at=stop_at, **extra)
 
 
 def run_many(model, family, request: Request, seeds) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -310,7 +421,7 @@ def run_many(model, family, request: Request, seeds) -> tuple[np.ndarray, np.nda
     seed seeds[i]. Raises NonFiniteError as `run` does if any sample met NaN/Inf logits.
     """
     seeds = requests.seeds(seeds)
-    many = jax.vmap(seeded(family.build(model, request.program)),
+    many = jax.vmap(seeded(loop_of(model, family, request).run),
                     in_axes=(None, None, None, None, 0))
     args = request.args()[:-1] + (jnp.asarray(seeds, jnp.uint32),)
     exe, _ = aot((model.key, request.program, "many", len(seeds)), many, model.params, *args)
