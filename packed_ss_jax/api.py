@@ -89,6 +89,15 @@ def _request(model, config, prompt, messages, chat_template_kwargs, block_size, 
     return model, family, request
 
 
+def check(model, prompt=None, *, messages=None, chat_template_kwargs=None, seed: int = 0,
+          block_size: int | None = None, window: int | None = None, **options):
+    """The checked request `decode` and `stream` would run (an `engine.Request`), without
+    compiling or running anything: for a caller that checks on one thread and decodes on
+    another (the server)."""
+    return _request(model, None, prompt, messages, chat_template_kwargs, block_size, window,
+                    seed, **options)[2]
+
+
 def decode(model, prompt: str | Sequence[int] | None = None, *,
            messages: Sequence[Mapping] | None = None,
            chat_template_kwargs: Mapping | None = None, config: ModelConfig | None = None,

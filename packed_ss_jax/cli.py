@@ -1,4 +1,4 @@
-"""The `packed-ss` command: `generate`, `convert` and `bench`, for every model family.
+"""The `packed-ss` command: `generate`, `convert`, `bench` and `serve`, for every model family.
 
 Schedules, width arguments and options come from the family table (families.py), so a
 new family or schedule reaches every command without a change here. Expected failures
@@ -161,18 +161,57 @@ def generate_main(argv: list[str] | None = None, prog: str = "packed-ss generate
     return run_command(prog, _generate, argv)
 
 
+def _serve(argv: list[str] | None, prog: str) -> int:
+    p = Parser(prog=prog,
+               description="Serve a model over an OpenAI-compatible HTTP API (/v1/models, "
+                           "/v1/completions, /v1/chat/completions, /health) until Ctrl-C.")
+    model_args(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int_at_least(0), default=8000)
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients ask for (default: the checkpoint's folder name)")
+    p.add_argument("--schedule", default="packed", choices=families.all_schedules(),
+                   help="decoding schedule (default packed)")
+    width_args(p)
+    args = p.parse_args(argv)
+    if args.port > 65535:
+        p.error(f"--port must be at most 65535, got {args.port}")
+
+    from .server import model_name, serve
+
+    model = load_model(args)
+    family = families.of(model.config)
+    if args.schedule not in family.schedules:
+        raise UsageError(f"--schedule {args.schedule}: {family.title} models decode with "
+                         f"{', '.join(family.schedules)}")
+    width = width_of(args, family)
+    name = args.served_model_name or model_name(args.model)
+    print(f"serving {name} on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)",
+          file=sys.stderr, flush=True)
+    serve(model, name=name, host=args.host, port=args.port, schedule=args.schedule,
+          width=None if width is None else {family.width_name: width})
+    return 0
+
+
+def serve_main(argv: list[str] | None = None, prog: str = "packed-ss serve") -> int:
+    return run_command(prog, _serve, argv)
+
+
 def bench_main(argv: list[str] | None = None, prog: str = "packed-ss bench") -> int:
     from .bench.harness import main as bench
 
     return bench(argv, prog=prog)
 
 
-COMMANDS = {"generate": generate_main, "convert": convert_main, "bench": bench_main}
-USAGE = ("usage: packed-ss {generate,convert,bench} ...\n\n"
+COMMANDS = {"generate": generate_main, "convert": convert_main, "bench": bench_main,
+            "serve": serve_main}
+USAGE = ("usage: packed-ss {generate,convert,bench,serve} ...\n\n"
          "  generate   decode a prompt with any schedule (AR / serial, Linear-SS, Quadratic-SS,\n"
          "             Packed-SS, SetDLM's native decoder)\n"
          "  convert    convert a Hugging Face checkpoint to orbax params\n"
-         "  bench      measure schedules on a task (tokens/NFE, throughput, CIs)")
+         "  bench      measure schedules on a task (tokens/NFE, throughput, CIs)\n"
+         "  serve      an OpenAI-compatible HTTP server (completions, chat, streaming)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -212,6 +212,9 @@ def program_for(family, config, *, schedule="packed", width=None, order="ltr",
         width = config.block_size
     width = family.width(schedule, requests.integer(width, family.width_name, family.min_width))
     max_new = requests.integer(max_new_tokens, "max_new_tokens", 1)
+    if max_new > requests.MAX_CACHE:
+        raise InputError(f"max_new_tokens {max_new} is too large: prompt + max_new_tokens must "
+                         f"fit the cache (at most {requests.MAX_CACHE} slots)")
     eos = requests.eos_id(eos_id, config, config.vocab_size)
     if stop_sequences and not family.stop_sequences:
         raise InputError(f"stop_sequences are not supported for {family.title} models yet; "
