@@ -173,8 +173,8 @@ def _chunks(model, decoding: engine.Chunked, stop_texts) -> Iterator[StreamChunk
     while not decoding.done:
         new = decoding.launch()
         if text is None:
-            sent_ids += len(new)
-            if not decoding.done:
+            if not decoding.done:  # the last launch's ids come with the result
+                sent_ids += len(new)
                 yield StreamChunk(new, None)
             continue
         text.add(new)

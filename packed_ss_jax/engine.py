@@ -367,6 +367,10 @@ def chunk_programs(model, family, request: Request):
     start(params, prompt, n, limits, seed) -> (state, progress);
     resume(params, state, k) -> (state, progress), the state donated;
     outcome(state) -> the outcome dict of `run`. progress: (tokens, final count, done)."""
+    key = (model.key, request.program)
+    names = (key + ("start",), key + ("resume",), key + ("outcome",))
+    if all(k in _compiled for k in names):  # without tracing anything again
+        return tuple(_compiled[k] for k in names), 0.0
     loop = loop_of(model, family, request)
 
     def start(params, prompt, n, limits, seed):
@@ -379,11 +383,10 @@ def chunk_programs(model, family, request: Request):
 
     args = request.args()
     state = jax.eval_shape(start, model.params, *args)[0]
-    key = (model.key, request.program)
-    exe_start, c0 = aot(key + ("start",), start, model.params, *args)
-    exe_resume, c1 = aot(key + ("resume",), resume, model.params, state,
+    exe_start, c0 = aot(names[0], start, model.params, *args)
+    exe_resume, c1 = aot(names[1], resume, model.params, state,
                          jax.ShapeDtypeStruct((), jnp.int32), donate=(1,))
-    exe_outcome, c2 = aot(key + ("outcome",), loop.outcome, state)
+    exe_outcome, c2 = aot(names[2], loop.outcome, state)
     return (exe_start, exe_resume, exe_outcome), c0 + c1 + c2
 
 
