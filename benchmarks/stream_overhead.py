@@ -14,6 +14,9 @@ import argparse
 import statistics
 import time
 
+import jax
+import numpy as np
+
 import packed_ss_jax as ps
 from packed_ss_jax import engine, families
 from packed_ss_jax.detokenize import Detokenizer
@@ -58,6 +61,17 @@ def main(argv=None) -> None:
         for k in chunks:
             times[f"k={k}"].append(chunked(k, False))
             times[f"k={k} + text"].append(chunked(k, True))
+    # The fixed cost of one launch: a resume that runs no iteration (k = 0: dispatch, the
+    # donated state, the progress read back). Best of many, so machine load hides less.
+    c = engine.Chunked(model, family, request, 1)
+    c.launch()
+    empty = []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        c.state, progress = c._resume(model.params, c.state, np.int32(0))
+        jax.device_get(progress)
+        empty.append(time.perf_counter() - t0)
+    launch = min(empty)
     base, best = statistics.median(times["one-shot"]), min(times["one-shot"])
     print(f"{model.source}: {args.schedule}, {len(one.tokens)} tokens, {one.iterations} "
           f"iterations, {one.nfe} NFE; {args.repeat} runs each")
@@ -69,6 +83,13 @@ def main(argv=None) -> None:
         launches = 1 if k is None else 1 + -(-(one.iterations - 1) // k)
         print(f"| {name} | {launches} | {1e3 * t:.1f} | {100 * (t / base - 1):+.1f} % | "
               f"{1e3 * b:.1f} | {100 * (b / best - 1):+.1f} % |")
+    print(f"\none launch, no iteration (k=0): best {1e6 * launch:.0f} us, median "
+          f"{1e6 * statistics.median(empty):.0f} us; per-iteration cost (best one-shot / "
+          f"iterations): {1e3 * best / one.iterations:.2f} ms")
+    for k in chunks:
+        launches = 1 + -(-(one.iterations - 1) // k)
+        print(f"k={k}: {launches - 1} extra launches x best launch cost = "
+              f"{100 * (launches - 1) * launch / best:.2f} % of the best one-shot wall")
 
 
 if __name__ == "__main__":

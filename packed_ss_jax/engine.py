@@ -327,22 +327,30 @@ class Chunked:
         (self._start, self._resume, self._outcome), self.compile_s = chunk_programs(
             model, family, request)
         self.state, self.tokens, self.count, self.done = None, None, 0, False
+        self._progress = None
         self.wall_s = 0.0
 
     def launch(self) -> list[int]:
-        """One launch (the first call, or up to k iterations); the newly final ids."""
+        """The ids that became final in the next launch (the first call, or up to k
+        iterations).
+
+        One launch is kept in flight: the next one is dispatched (asynchronously, on the
+        donated state) before this one's tokens are read back, so the host's wait and the
+        read overlap decoding. After the loop is done that launch runs no iteration."""
         if self.done:
             return []
         t0 = time.perf_counter()
         if self.state is None:
-            self.state, progress = self._start(self.model.params, *self.request.args())
-        else:
-            self.state, progress = self._resume(self.model.params, self.state,
-                                                np.int32(self.k))
+            self.state, self._progress = self._start(self.model.params, *self.request.args())
+        progress = self._progress
+        self.state, self._progress = self._resume(self.model.params, self.state,
+                                                  np.int32(self.k))
         tokens, count, done = jax.device_get(progress)
-        self.wall_s += time.perf_counter() - t0
         new = np.asarray(tokens)[self.count: int(count)].tolist()
         self.tokens, self.count, self.done = tokens, int(count), bool(done)
+        if self.done:  # the launch in flight runs no iteration; its end is the decode's
+            jax.block_until_ready(self.state)
+        self.wall_s += time.perf_counter() - t0
         return new
 
     def __iter__(self):
