@@ -105,3 +105,15 @@ def test_a_model_without_a_template_says_so(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text('{"chat_template": [1]')
     with pytest.raises(chat.TemplateError, match="not valid JSON"):
         chat.read(tmp_path)
+
+
+def test_bench_renders_prompts_through_the_template():
+    from packed_ss_jax.bench import harness, tasks
+
+    model = ps.load()
+    prompts = harness.chat_prompts(model, tasks.load("arithmetic", None, 2), "arithmetic")
+    for p in prompts:
+        question = p.text.removeprefix("Question: ").removesuffix("\nAnswer:")
+        assert p.ids == api.chat_prompt(model, [{"role": "user", "content": p.text}])
+        assert model.tokenizer.decode(p.ids).startswith("Question: Question: " + question)
+    assert harness.CHAT_TEMPLATE_KWARGS[("setdlm", "gsm8k")] == {"enable_thinking": True}

@@ -16,6 +16,7 @@ given, or chosen per schedule by the paper's throughput probe on the first promp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -93,7 +94,7 @@ def run(model, prompts, schedules, widths, *, capacity: int, temperature=0.0, se
 
     def one(s, p, i, m=model):
         width = widths[s] or model.config.block_size
-        return api.decode(m, p.text, schedule=s, **{family.width_name: width},
+        return api.decode(m, p.text if p.ids is None else p.ids, schedule=s, **{family.width_name: width},
                          order=family.orders[0] if s in family.orderless else order,
                          max_new_tokens=max_new_tokens or p.max_new_tokens,
                          eos_id=-1 if p.stop_at_eos else None, temperature=temperature,
@@ -177,12 +178,32 @@ def probe_markdown(rows: list, chosen: dict, width_label: str = "B") -> str:
     return "\n".join(out)
 
 
+# The chat template's arguments where the paper renders a task's prompts through the
+# checkpoint's template (App. E.3): WritingBench with thinking disabled; SetDLM's GSM8K
+# with thinking enabled.
+CHAT_TEMPLATE_KWARGS = {("nemotron", "writingbench"): {"enable_thinking": False},
+                        ("setdlm", "writingbench"): {"enable_thinking": False},
+                        ("setdlm", "gsm8k"): {"enable_thinking": True}}
+
+
+def chat_prompts(model, prompts, task: str):
+    """The prompts as one user message each through the model's chat template (with the
+    paper's template arguments for the task), as ids."""
+    kwargs = CHAT_TEMPLATE_KWARGS.get((families.of(model.config).name, task), {})
+    return [dataclasses.replace(p, ids=api.chat_prompt(
+        model, [{"role": "user", "content": p.text}], kwargs)) for p in prompts]
+
+
 def cache_size_for(model, prompts, max_new_tokens=None) -> int:
     """One cache size for the whole task: the longest prompt plus its output cap, rounded
     up to a power of two (every call attends over the whole buffer, so size it to the task)."""
     need = 0
     for p in prompts:
-        n = len(model.tokenizer.encode(p.text).ids) if model.tokenizer is not None else len(p.text)
+        if p.ids is not None:
+            n = len(p.ids)
+        else:
+            n = len(model.tokenizer.encode(p.text).ids) if model.tokenizer is not None \
+                else len(p.text)
         need = max(need, n + (max_new_tokens or p.max_new_tokens))
     size = 64
     while size < need:
@@ -374,6 +395,10 @@ def _main(argv: list[str] | None, prog: str) -> int:
                    choices=sorted(tasks.OFFLINE_TASKS) + sorted(tasks.FILE_TASKS),
                    help=f"one of {sorted(tasks.OFFLINE_TASKS) + sorted(tasks.FILE_TASKS)}")
     p.add_argument("--data", help="local task file in its public jsonl format (paper tasks)")
+    p.add_argument("--chat", action="store_true",
+                   help="render each prompt as a user message through the checkpoint's chat "
+                        "template (WritingBench: enable_thinking=False; SetDLM GSM8K: "
+                        "enable_thinking=True, as in the paper)")
     p.add_argument("--schedules", default=None,
                    help="comma-separated (default: every schedule of the model's family)")
     p.add_argument("--block-size", help="Nemotron-Labs-Diffusion: B for all, or per schedule: "
@@ -456,6 +481,8 @@ def _main(argv: list[str] | None, prog: str) -> int:
                          f"{MAX_BOOTSTRAP_ENTRIES:,})")
 
     model = load_model(args)
+    if args.chat:
+        prompts = chat_prompts(model, prompts, args.task)
     capacity = cache_size_for(model, prompts, args.max_new_tokens)
     # Checked before anything is compiled: every width (and probed size) fits the cache.
     fixed = {s: widths[s] or config.block_size for s in schedules

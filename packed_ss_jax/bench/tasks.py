@@ -28,6 +28,7 @@ class Prompt:
     max_new_tokens: int
     score: Callable[[str], bool] | None = None  # continuation -> correct?
     stop_at_eos: bool = True
+    ids: list[int] | None = None   # the prompt as ids, when it went through a chat template
 
 
 class TaskError(InputError):
