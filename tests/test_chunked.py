@@ -17,6 +17,9 @@ LENGTH = 23
 CACHE = 64
 
 MODELS = {"nemotron": lambda: tiny_model(0), "setdlm": lambda: tiny_setdlm(0)}
+# The widths, cache and prompt bucket of test_one_engine / test_setdlm_decode, so that in
+# one test session the one-shot programs are compiled once for all of them.
+WIDTH = {"nemotron": 4, "setdlm": 3}
 
 
 def _cases():
@@ -32,7 +35,8 @@ def _cases():
 
 def _request(m, schedule, temperature=0.0, order="ltr", **kw):
     family = families.of(m.config)
-    return family, engine.prepare(m, family, PROMPT, schedule=schedule, width=3, order=order,
+    return family, engine.prepare(m, family, PROMPT, schedule=schedule, order=order,
+                                  width=WIDTH[family.name],
                                   temperature=temperature, seed=7, max_new_tokens=LENGTH,
                                   cache_size=CACHE, **kw)
 

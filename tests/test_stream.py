@@ -7,7 +7,7 @@ import pytest
 import packed_ss_jax as ps
 from packed_ss_jax import engine, families, stops
 from packed_ss_jax.detokenize import Detokenizer
-from test_chunked import CACHE, LENGTH, MODELS, PROMPT
+from test_chunked import CACHE, LENGTH, MODELS, PROMPT, WIDTH
 
 EMBEDDED = ps.load()
 QUESTION = "Question: Ava has 12 apples. Ava gets 7 more apples. How many apples does Ava have now?\nAnswer:"
@@ -69,7 +69,7 @@ def _schedules():
 def test_stop_sequences_end_the_output_at_the_earliest(family, schedule):
     m = MODELS[family]()
     fam = families.of(m.config)
-    kw = dict(schedule=schedule, width=3, max_new_tokens=LENGTH, cache_size=CACHE)
+    kw = dict(schedule=schedule, width=WIDTH[family], max_new_tokens=LENGTH, cache_size=CACHE)
     free = engine.run(m, fam, engine.prepare(m, fam, PROMPT, eos_id=None, **kw)).tokens
     # Markers taken from the free output: a two-token one late, a three-token one early
     # (it must win), and one that never occurs.
@@ -133,7 +133,8 @@ def test_generate_prints_the_chat_continuation(capsys):
 
 def test_stream_without_a_tokenizer_gives_the_ids():
     m = MODELS["nemotron"]()
-    kw = dict(block_size=3, max_new_tokens=LENGTH, cache_size=CACHE, eos_id=None)
+    kw = dict(block_size=WIDTH["nemotron"], max_new_tokens=LENGTH, cache_size=CACHE,
+              eos_id=None)
     chunks = list(ps.stream(m, PROMPT, chunk=2, **kw))
     assert [t for c in chunks for t in c.tokens] == ps.decode(m, PROMPT, **kw).tokens
     assert len(chunks) > 2 and all(c.text is None for c in chunks)
