@@ -69,9 +69,11 @@ def chat_prompt(model, messages, chat_template_kwargs: Mapping | None = None) ->
 
 
 def _prompt(model, prompt, messages, chat_template_kwargs):
-    if (prompt is None) == (messages is None):
-        raise InputError("give a prompt (text or token ids) or messages (a chat), not "
-                         + ("both" if messages is not None else "neither"))
+    if prompt is None and messages is None:
+        raise InputTypeError("prompt must be a string or a sequence of integer token ids (or "
+                             "pass messages=[{'role': 'user', 'content': ...}]), got None")
+    if prompt is not None and messages is not None:
+        raise InputError("give a prompt (text or token ids) or messages (a chat), not both")
     if messages is not None:
         return chat_prompt(model, messages, chat_template_kwargs)
     if chat_template_kwargs:
