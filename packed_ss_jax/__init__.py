@@ -2,10 +2,12 @@
 
     model = packed_ss_jax.load("path/to/Nemotron-Labs-Diffusion-8B", dtype="bfloat16")
     result = packed_ss_jax.decode(model, prompt_ids, schedule="packed", block_size=32)
+    for chunk in packed_ss_jax.stream(model, messages=[{"role": "user", "content": "Hi"}]):
+        print(chunk.text, end="")                                     # as it decodes
     fn = packed_ss_jax.decoder(model, schedule="packed", block_size=32)  # pure, jittable
 """
 
-from .api import DecodeResult, decode, decode_continuous, decoder, logits
+from .api import DecodeResult, StreamChunk, decode, decode_continuous, decoder, logits, stream
 from .checkpoints.errors import CheckpointError
 from .compile_cache import set_compile_cache
 from .config import ConfigError, ModelConfig
@@ -18,7 +20,7 @@ from .requests import InputError
 from .sharding import make_mesh
 
 __all__ = ["CheckpointError", "ConfigError", "DecodeResult", "FAMILIES", "InputError", "Model",
-           "ModelConfig", "NonFiniteError", "convert", "decode", "decode_continuous", "decoder",
-           "load", "logits",
-           "make_mesh", "set_compile_cache"]
+           "ModelConfig", "NonFiniteError", "StreamChunk", "convert", "decode",
+           "decode_continuous", "decoder", "load", "logits", "make_mesh", "set_compile_cache",
+           "stream"]
 __version__ = "0.1.0"

@@ -1,11 +1,12 @@
-"""Public functions: `decode` (every schedule of every family), `decoder` (the same decode
-as a pure, jittable function) and `logits` (parity hook). Thin wrappers over the family
-table (families.py) and the driver (engine.py)."""
+"""Public functions: `decode` (every schedule of every family), `stream` (the same decode,
+its tokens and text handed out as they are produced), `decoder` (the same decode as a
+pure, jittable function) and `logits` (parity hook). Thin wrappers over the family table
+(families.py), the chat templates (chat.py) and the driver (engine.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Callable, Sequence
 
 import chex
@@ -13,13 +14,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import continuous, engine, families, requests
+from . import chat, continuous, engine, families, requests, stops
 from .config import ModelConfig
+from .detokenize import Detokenizer
 from .engine import DecodeResult
 from .model import Model
 from .requests import InputError, InputTypeError
 
-__all__ = ["DecodeResult", "decode", "decode_continuous", "decoder", "logits"]
+__all__ = ["DecodeResult", "StreamChunk", "decode", "decode_continuous", "decoder", "logits",
+           "stream"]
+
+
+@dataclasses.dataclass
+class StreamChunk:
+    """What one launch of a streamed decode produced."""
+
+    tokens: list[int]               # ids that became final (in order; all chunks: the output)
+    text: str | None                # text that became stable (None without a tokenizer)
+    result: DecodeResult | None = None  # on the last chunk: the whole decode, as `decode`'s
 
 
 def as_model(model, config: ModelConfig | None = None):
@@ -55,7 +67,52 @@ def is_batch(prompt) -> bool:
             and not any(requests.is_int(p) for p in prompt))
 
 
-def decode(model, prompt, *, config: ModelConfig | None = None,
+def chat_prompt(model, messages, chat_template_kwargs: Mapping | None = None) -> list[int]:
+    """The prompt ids of a conversation: the model's chat template (see chat.py) rendered
+    with the generation prompt, tokenized without adding special tokens."""
+    if getattr(model, "tokenizer", None) is None:
+        raise InputError("messages need a tokenizer, and this model has none")
+    kwargs = dict(chat_template_kwargs or {})
+    kwargs.setdefault("add_generation_prompt", True)
+    text = chat.of(model).render(messages, **kwargs)
+    return model.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def _prompt(model, prompt, messages, chat_template_kwargs):
+    if prompt is None and messages is None:
+        raise InputTypeError("prompt must be a string or a sequence of integer token ids (or "
+                             "pass messages=[{'role': 'user', 'content': ...}]), got None")
+    if prompt is not None and messages is not None:
+        raise InputError("give a prompt (text or token ids) or messages (a chat), not both")
+    if messages is not None:
+        return chat_prompt(model, messages, chat_template_kwargs)
+    if chat_template_kwargs:
+        raise InputError("chat_template_kwargs apply to messages=, not to a prompt")
+    return prompt
+
+
+def _request(model, config, prompt, messages, chat_template_kwargs, block_size, window, seed,
+             **options):
+    model = as_model(model, config)
+    family = families.of(model.config)
+    prompt = _prompt(model, prompt, messages, chat_template_kwargs)
+    request = engine.prepare(model, family, prompt, seed=seed,
+                             width=_width(family, block_size, window), **options)
+    return model, family, request
+
+
+def check(model, prompt=None, *, messages=None, chat_template_kwargs=None, seed: int = 0,
+          block_size: int | None = None, window: int | None = None, **options):
+    """The checked request `decode` and `stream` would run (an `engine.Request`), without
+    compiling or running anything: for a caller that checks on one thread and decodes on
+    another (the server)."""
+    return _request(model, None, prompt, messages, chat_template_kwargs, block_size, window,
+                    seed, **options)[2]
+
+
+def decode(model, prompt: str | Sequence[int] | None = None, *,
+           messages: Sequence[Mapping] | None = None,
+           chat_template_kwargs: Mapping | None = None, config: ModelConfig | None = None,
            schedule: str = "packed", block_size: int | None = None, window: int | None = None,
            max_new_tokens: int = 128, eos_id: int | None = -1, temperature: float = 0.0,
            top_k: int | None = None, top_p: float | None = None, seed: int = 0,
@@ -68,6 +125,9 @@ def decode(model, prompt, *, config: ModelConfig | None = None,
     decoded alone gives (same tokens, NFE and statistics); `seed` is then one seed for
     every prompt or a list of one per prompt; `wall_s` is the whole batch's.
 
+    messages:   instead of a prompt, a chat ([{"role": "user", "content": "..."}, ...])
+                rendered with the checkpoint's chat template and the generation prompt;
+                `chat_template_kwargs` go to the template (e.g. {"enable_thinking": False}).
     model:      a `Model` (from `load`), or a params tree with `config=` its ModelConfig.
     schedule:   Nemotron "ar", "linear", "quadratic", "packed"; SetDLM "serial", "native",
                 "linear", "quadratic", "packed" (see `families.FAMILIES`).
@@ -80,21 +140,26 @@ def decode(model, prompt, *, config: ModelConfig | None = None,
     eos_id:     stop at the first accepted EOS; -1 (default) uses the config's EOS, None
                 disables EOS stopping.
     order:      SetDLM: "ltr" or "confidence" (App. E.6; greedy only).
-    stop_sequences: SetDLM: markers (token-id lists, or strings with a tokenizer); one
-                counts once all its tokens are accepted, the output ends at the earliest.
-    cache_size: KV slots for prompt + output (default min(4096, max positions)); it is
+    stop_sequences: markers (token-id lists, or strings with a tokenizer); one counts
+                once all its tokens are accepted (detected in the decode loop), and a
+                string also wherever it occurs in the decoded text, across token
+                boundaries. The output ends at the earliest stop (stop included;
+                `result.stop_at` is where a stop string starts in `result.text`).
+    cache_size: KV slots for prompt + output (default: sized to the request); it is
                 part of the compiled shape, so keep it fixed across calls.
     """
-    model = as_model(model, config)
-    family = families.of(model.config)
-    options = dict(seed=seed, schedule=schedule, width=_width(family, block_size, window),
-                   order=order, temperature=temperature, top_k=top_k, top_p=top_p,
-                   cache_size=cache_size, max_new_tokens=max_new_tokens, eos_id=eos_id,
-                   stop_sequences=stop_sequences)
-    if is_batch(prompt):
-        return engine.run_batch(model, family, engine.prepare_batch(model, family, list(prompt),
-                                                                     **options))
-    return engine.run(model, family, engine.prepare(model, family, prompt, **options))
+    options = dict(schedule=schedule, order=order, temperature=temperature, top_k=top_k,
+                   top_p=top_p, cache_size=cache_size, max_new_tokens=max_new_tokens,
+                   eos_id=eos_id, stop_sequences=stop_sequences)
+    if messages is None and is_batch(prompt):
+        model = as_model(model, config)
+        family = families.of(model.config)
+        batch = engine.prepare_batch(model, family, list(prompt), seed=seed,
+                                     width=_width(family, block_size, window), **options)
+        return engine.run_batch(model, family, batch)
+    model, family, request = _request(model, config, prompt, messages, chat_template_kwargs,
+                                      block_size, window, seed, **options)
+    return engine.run(model, family, request)
 
 
 def decode_continuous(model, prompts: Sequence, *, slots: int = 8, every: int = 8,
@@ -120,6 +185,60 @@ def decode_continuous(model, prompts: Sequence, *, slots: int = 8, every: int = 
         top_k=top_k, top_p=top_p, cache_size=cache_size, max_new_tokens=max_new_tokens,
         eos_id=eos_id, stop_sequences=stop_sequences)
     return continuous.decode_queue(model, family, batch, slots, every)
+
+
+def stream(model, prompt: str | Sequence[int] | None = None, *,
+           messages: Sequence[Mapping] | None = None,
+           chat_template_kwargs: Mapping | None = None, config: ModelConfig | None = None,
+           schedule: str = "packed", block_size: int | None = None, window: int | None = None,
+           max_new_tokens: int = 128, eos_id: int | None = -1, temperature: float = 0.0,
+           top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+           cache_size: int | None = None, order: str = "ltr", stop_sequences: Sequence = (),
+           chunk: int = engine.DEFAULT_CHUNK) -> Iterator[StreamChunk]:
+    """`decode`, handing out its output while it decodes: a `StreamChunk` after every
+    launch of `chunk` decoder iterations (the same compiled loop, its state kept between
+    launches), then a last one with the `DecodeResult`.
+
+    The chunks' tokens together are `decode`'s tokens (greedy, and sampled with the same
+    seed); their text together is `decode`'s text. Text is handed out once it is stable:
+    never half a multi-byte character, nor the beginning of a stop string that may still
+    complete. The arguments are `decode`'s, checked before the first chunk. Stopping the
+    iteration early stops the decoding.
+    """
+    model, family, request = _request(
+        model, config, prompt, messages, chat_template_kwargs, block_size, window, seed,
+        schedule=schedule, order=order, temperature=temperature, top_k=top_k, top_p=top_p,
+        cache_size=cache_size, max_new_tokens=max_new_tokens, eos_id=eos_id,
+        stop_sequences=stop_sequences)
+    decoding = engine.Chunked(model, family, request, chunk)
+    return _chunks(model, decoding, request.stop_texts)
+
+
+def _chunks(model, decoding: engine.Chunked, stop_texts) -> Iterator[StreamChunk]:
+    tokenizer = getattr(model, "tokenizer", None)
+    text = Detokenizer(tokenizer.decode) if tokenizer is not None else None
+    sent_ids, sent_text = 0, ""
+    while not decoding.done:
+        new = decoding.launch()
+        if text is None:
+            if not decoding.done:  # the last launch's ids come with the result
+                sent_ids += len(new)
+                yield StreamChunk(new, None)
+            continue
+        text.add(new)
+        stable = text.text
+        if stops.find_text(stable, stop_texts) is not None:
+            break  # the output ends here: the result cuts it at the stop
+        visible = stable[: len(stable) - stops.holdback(stable, stop_texts)]
+        if not decoding.done:
+            piece, sent_text = visible[len(sent_text):], visible
+            sent_ids += len(new)
+            yield StreamChunk(new, piece)
+    result = decoding.result()
+    last_text = None
+    if result.text is not None:
+        last_text = result.text[len(sent_text):] if result.text.startswith(sent_text) else ""
+    yield StreamChunk(result.tokens[sent_ids:], last_text, result)
 
 
 def decoder(model_or_config, *, schedule: str = "packed", block_size: int | None = None,

@@ -1,7 +1,7 @@
 """Batched decoding with ragged acceptance: one loop over a batch of sequences.
 
-A family's program comes in three pure pieces (`start`, `step`, `outcome`, see
-schedules.parts / setdlm.program.parts), written for one sequence. Here they run over a
+A family's program is a `loop.Loop` of pure pieces (`init`, `step`, `outcome`, see
+schedules.build / setdlm.program.build), written for one sequence. Here they run over a
 batch: `start` and `outcome` vmapped, and one `lax.while_loop` whose body is the step
 vmapped over the batch, going on while any sequence is unfinished. Every sequence keeps
 its own cache length, accepted count, draft, PRNG key and stop state, so sequences
@@ -57,8 +57,8 @@ def start_batch(start: Callable) -> Callable:
     return jax.vmap(start, in_axes=(None, 0, 0, 0, 0))
 
 
-def build(parts: tuple[Callable, Callable, Callable], cache_sharding=None) -> Callable:
-    """The batched decode function of a family's program pieces:
+def build(loop, cache_sharding=None) -> Callable:
+    """The batched decode function of a family's decode loop (`loop.Loop`):
 
         run(params, prompts [N, P], n [N], limits (leading N axis), keys [N]) -> outcome
 
@@ -67,7 +67,7 @@ def build(parts: tuple[Callable, Callable, Callable], cache_sharding=None) -> Ca
     [N, kv_heads, slots, head_dim] buffer, see sharding.cache_spec) pins where the cache
     lives on a mesh, in the loop as at its start.
     """
-    start, step, outcome = parts
+    start, step, outcome = loop.init, loop.step, loop.outcome
     first, body = start_batch(start), step_batch(step)
 
     def pin(s):

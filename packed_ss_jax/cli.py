@@ -1,4 +1,4 @@
-"""The `packed-ss` command: `generate`, `convert` and `bench`, for every model family.
+"""The `packed-ss` command: `generate`, `convert`, `bench` and `serve`, for every model family.
 
 Schedules, width arguments and options come from the family table (families.py), so a
 new family or schedule reaches every command without a change here. Expected failures
@@ -88,7 +88,13 @@ def _generate(argv: list[str] | None, prog: str) -> int:
     p.add_argument("--order", default=None,
                    help="SetDLM: verification order, ltr (default) or confidence")
     p.add_argument("--stop", action="append", type=stop_marker, default=[],
-                   help="SetDLM: a stop marker, token ids ('13,13') or text; repeatable")
+                   help="a stop marker, token ids ('13,13') or text; repeatable")
+    p.add_argument("--chat", action="store_true",
+                   help="the prompt is a user message: render it with the checkpoint's chat "
+                        "template (and --system)")
+    p.add_argument("--system", default=None, help="with --chat: a system message first")
+    p.add_argument("--no-thinking", action="store_true",
+                   help="with --chat: pass enable_thinking=False to the template")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=64)
     p.add_argument("--no-eos", action="store_true", help="ignore EOS (stop at the length limit)")
     p.add_argument("--temperature", type=temperature, default=0.0,
@@ -103,6 +109,10 @@ def _generate(argv: list[str] | None, prog: str) -> int:
         p.error("give a prompt (text) or --ids, not both")
     if args.prompt is not None and not args.prompt.strip():
         p.error("the prompt is empty: give some text, e.g. packed-ss generate \"Question: ...\"")
+    if args.chat and args.prompt is None:
+        p.error("--chat needs the user's message as the prompt text")
+    if (args.system is not None or args.no_thinking) and not args.chat:
+        p.error("--system and --no-thinking go with --chat")
 
     from . import api
 
@@ -119,11 +129,25 @@ def _generate(argv: list[str] | None, prog: str) -> int:
         options["order"] = args.order
     if args.stop:
         options["stop_sequences"] = args.stop
-    prompt = args.ids if args.ids is not None else args.prompt
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                   [{"role": "user", "content": args.prompt}]
+        options["messages"] = messages
+        if args.no_thinking:
+            options["chat_template_kwargs"] = {"enable_thinking": False}
+    else:
+        options["prompt"] = args.ids if args.ids is not None else args.prompt
     schedules = list(family.schedules) if args.schedule == "all" else [args.schedule]
-    results = [api.decode(model, prompt, schedule=s, **options) for s in schedules]
-    first = results[0]
-    print(first.text if first.text is not None else " ".join(map(str, first.tokens)))
+    # The first schedule prints as it decodes; the others (--schedule all) only add rows.
+    first = None
+    for piece in api.stream(model, schedule=schedules[0], **options):
+        if piece.text is not None:
+            print(piece.text, end="", flush=True)
+        elif piece.tokens:
+            print(" ".join(map(str, piece.tokens)), end=" ", flush=True)
+        first = piece.result or first
+    print()
+    results = [first] + [api.decode(model, schedule=s, **options) for s in schedules[1:]]
     exact = [r for r in results if r.schedule not in family.inexact]
     if args.temperature == 0 and any(r.tokens != exact[0].tokens for r in exact[1:]):
         print("warning: schedules disagree (numerical near-tie?)", file=sys.stderr)
@@ -137,18 +161,57 @@ def generate_main(argv: list[str] | None = None, prog: str = "packed-ss generate
     return run_command(prog, _generate, argv)
 
 
+def _serve(argv: list[str] | None, prog: str) -> int:
+    p = Parser(prog=prog,
+               description="Serve a model over an OpenAI-compatible HTTP API (/v1/models, "
+                           "/v1/completions, /v1/chat/completions, /health) until Ctrl-C.")
+    model_args(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int_at_least(0), default=8000)
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients ask for (default: the checkpoint's folder name)")
+    p.add_argument("--schedule", default="packed", choices=families.all_schedules(),
+                   help="decoding schedule (default packed)")
+    width_args(p)
+    args = p.parse_args(argv)
+    if args.port > 65535:
+        p.error(f"--port must be at most 65535, got {args.port}")
+
+    from .server import model_name, serve
+
+    model = load_model(args)
+    family = families.of(model.config)
+    if args.schedule not in family.schedules:
+        raise UsageError(f"--schedule {args.schedule}: {family.title} models decode with "
+                         f"{', '.join(family.schedules)}")
+    width = width_of(args, family)
+    name = args.served_model_name or model_name(args.model)
+    print(f"serving {name} on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)",
+          file=sys.stderr, flush=True)
+    serve(model, name=name, host=args.host, port=args.port, schedule=args.schedule,
+          width=None if width is None else {family.width_name: width})
+    return 0
+
+
+def serve_main(argv: list[str] | None = None, prog: str = "packed-ss serve") -> int:
+    return run_command(prog, _serve, argv)
+
+
 def bench_main(argv: list[str] | None = None, prog: str = "packed-ss bench") -> int:
     from .bench.harness import main as bench
 
     return bench(argv, prog=prog)
 
 
-COMMANDS = {"generate": generate_main, "convert": convert_main, "bench": bench_main}
-USAGE = ("usage: packed-ss {generate,convert,bench} ...\n\n"
+COMMANDS = {"generate": generate_main, "convert": convert_main, "bench": bench_main,
+            "serve": serve_main}
+USAGE = ("usage: packed-ss {generate,convert,bench,serve} ...\n\n"
          "  generate   decode a prompt with any schedule (AR / serial, Linear-SS, Quadratic-SS,\n"
          "             Packed-SS, SetDLM's native decoder)\n"
          "  convert    convert a Hugging Face checkpoint to orbax params\n"
-         "  bench      measure schedules on a task (tokens/NFE, throughput, CIs)")
+         "  bench      measure schedules on a task (tokens/NFE, throughput, CIs)\n"
+         "  serve      an OpenAI-compatible HTTP server (completions, chat, streaming)")
 
 
 def main(argv: list[str] | None = None) -> int:

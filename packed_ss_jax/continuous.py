@@ -47,7 +47,8 @@ class Stats:
 
 
 def _programs(model, family, batch: engine.Batch, slots: int):
-    start, step, outcome = family.parts(model, batch.program)
+    loop = family.build(model, batch.program)
+    start, step, outcome = loop.init, loop.step, loop.outcome
     body = batched.step_batch(step)
     first = batched.start_batch(start)
 

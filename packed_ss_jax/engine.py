@@ -11,6 +11,14 @@ loop has stopped. Each program is lowered and compiled ahead of time once per mo
 config (`aot`); a new prompt in the same bucket, a new length limit, stop markers or
 seed reuse it.
 
+`Chunked` runs the same loop a few iterations per launch (the family's `Loop.start` and
+`Loop.resume`, see loop.py), the state donated from launch to launch so the KV cache
+stays in place, and hands out the tokens that became final after each launch: the
+tokens of `run`, as they are produced (streaming).
+
+Stops given as text are also searched for in the decoded text (stops.cut_text): the
+output ends at the earliest stop, whether the loop saw it as tokens or not.
+
 A loop that read NaN or Inf logits stops there and reports where (see
 schedules/state.py, setdlm/state.py); `check_finite` turns that into a
 `NonFiniteError` on the host, for every family and schedule.
@@ -26,11 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import batched, compile_cache, requests, sharding
+from . import batched, compile_cache, requests, sharding, stops
 from .requests import InputError
 from .sampling import Sampler
 
 MIN_BUCKET = 16
+DEFAULT_CHUNK = 16   # loop iterations per launch when streaming
 MIN_CAPACITY = 128
 DEFAULT_CACHE_SIZE = 4096
 
@@ -57,6 +66,7 @@ class Request:
     limits: dict[str, Any]    # the family's traced limits (length limit, EOS / stop markers)
     seed: int
     max_new: int
+    stop_texts: tuple[str, ...] = ()   # stops given as text, searched for on the host
 
     def args(self, seed=None):
         """The program's arguments after params: padded prompt, its length, limits, seed."""
@@ -111,6 +121,11 @@ class DecodeResult:
     orders: list = dataclasses.field(default_factory=list)
     accepted: list = dataclasses.field(default_factory=list)
     fed: list = dataclasses.field(default_factory=list)
+    # "stop" (EOS, a stop marker or stop string), or "length" (max_new_tokens reached).
+    finish_reason: str = "length"
+    # Where the stop string that ended the output begins in `text` (None: no text stop);
+    # text[:stop_at] is the output without it.
+    stop_at: int | None = None
 
     @property
     def tokens_per_nfe(self) -> float:
@@ -218,6 +233,9 @@ def program_for(family, config, *, schedule="packed", width=None, order="ltr",
         width = config.block_size
     width = family.width(schedule, requests.integer(width, family.width_name, family.min_width))
     max_new = requests.integer(max_new_tokens, "max_new_tokens", 1)
+    if max_new > requests.MAX_CACHE:
+        raise InputError(f"max_new_tokens {max_new} is too large: prompt + max_new_tokens must "
+                         f"fit the cache (at most {requests.MAX_CACHE} slots)")
     eos = requests.eos_id(eos_id, config, config.vocab_size)
     if stop_sequences and not family.stop_sequences:
         raise InputError(f"stop_sequences are not supported for {family.title} models yet; "
@@ -239,7 +257,8 @@ def prepare(model, family, prompt, *, seed=0, **options) -> Request:
                                            tokenizer=getattr(model, "tokenizer", None), **options)
     requests.fits(len(ids), max_new, program.capacity)
     program = dataclasses.replace(program, bucket=bucket_for(len(ids), program.capacity))
-    return Request(program, ids, limits, seed, max_new)
+    return Request(program, ids, limits, seed, max_new,
+                   stops.texts(options.get("stop_sequences", ())))
 
 
 def prepare_batch(model, family, prompts, *, seed=0, **options) -> Batch:
@@ -262,7 +281,8 @@ def prepare_batch(model, family, prompts, *, seed=0, **options) -> Batch:
                                            tokenizer=getattr(model, "tokenizer", None), **options)
     requests.fits(longest, max_new, program.capacity)
     program = dataclasses.replace(program, bucket=bucket_for(longest, program.capacity))
-    return Batch(program, tuple(Request(program, x, limits, s, max_new)
+    texts = stops.texts(options.get("stop_sequences", ()))
+    return Batch(program, tuple(Request(program, x, limits, s, max_new, texts)
                                 for x, s in zip(ids, seeds)))
 
 
@@ -308,11 +328,16 @@ def seeded_batch(run: Callable) -> Callable:
         params, prompts, n, limits, jax.vmap(jax.random.PRNGKey)(seeds))
 
 
+def loop_of(model, family, request: Request):
+    """The family's decode loop (loop.Loop) of a request's program."""
+    return family.build(model, request.program)
+
+
 def lower(model, family, request: Request):
     """The decode program of a request, lowered for the model's params: arrays, or
     `jax.ShapeDtypeStruct`s to read a real-size program's HLO, cost and memory without
     allocating any weight."""
-    return jax.jit(seeded(family.build(model, request.program))).lower(model.params,
+    return jax.jit(seeded(loop_of(model, family, request).run)).lower(model.params,
                                                                       *request.args())
 
 
@@ -336,7 +361,7 @@ def request_args(model, request: Request) -> tuple:
 
 def compiled(model, family, request: Request) -> tuple[Any, float]:
     """The compiled program of a request and the seconds spent compiling it now."""
-    run = seeded(family.build(model, request.program))
+    run = seeded(loop_of(model, family, request).run)
     return aot((model.key, request.program) + placement(model), run, model.params,
                *request_args(model, request))
 
@@ -364,6 +389,98 @@ def run(model, family, request: Request) -> DecodeResult:
     return result(model, family, request, out, wall, compile_s)
 
 
+class Chunked:
+    """One request decoded `k` loop iterations per launch, for streaming:
+
+        decode = Chunked(model, family, request, k)
+        for new_ids in decode: ...      # the ids that became final in each launch
+        decode.result()                 # the DecodeResult, `run`'s (stats included)
+
+    The launches run the family's `Loop.start` (the first call) and then `Loop.resume`
+    (at most k iterations of the same loop body), the state donated from one launch to
+    the next, so the cache is updated in place and the tokens are those of `run`
+    (greedy, and sampled with the same seed). After each launch only the output tokens,
+    their final count and the done flag come back to the host. Stopping early (a client
+    gone, a stop string seen on the host) is just not iterating further; `result()` then
+    describes the output so far."""
+
+    def __init__(self, model, family, request: Request, k: int = DEFAULT_CHUNK):
+        self.model, self.family, self.request = model, family, request
+        self.k = requests.integer(k, "chunk", 1)
+        (self._start, self._resume, self._outcome), self.compile_s = chunk_programs(
+            model, family, request)
+        self.state, self.tokens, self.count, self.done = None, None, 0, False
+        self._progress = None
+        self.wall_s = 0.0
+
+    def launch(self) -> list[int]:
+        """The ids that became final in the next launch (the first call, or up to k
+        iterations).
+
+        One launch is kept in flight: the next one is dispatched (asynchronously, on the
+        donated state) before this one's tokens are read back, so the host's wait and the
+        read overlap decoding. After the loop is done that launch runs no iteration."""
+        if self.done:
+            return []
+        t0 = time.perf_counter()
+        if self.state is None:
+            self.state, self._progress = self._start(self.model.params, *self.request.args())
+        progress = self._progress
+        self.state, self._progress = self._resume(self.model.params, self.state,
+                                                  np.int32(self.k))
+        tokens, count, done = jax.device_get(progress)
+        new = np.asarray(tokens)[self.count: int(count)].tolist()
+        self.tokens, self.count, self.done = tokens, int(count), bool(done)
+        if self.done:  # the launch in flight runs no iteration; its end is the decode's
+            jax.block_until_ready(self.state)
+        self.wall_s += time.perf_counter() - t0
+        return new
+
+    def __iter__(self):
+        while not self.done:
+            yield self.launch()
+
+    def result(self) -> DecodeResult:
+        """The DecodeResult of the launches so far (NonFiniteError as `run` raises it)."""
+        if self.state is None:
+            self.launch()
+        out = jax.device_get(self._outcome(self.state))
+        if not self.done:  # stopped early: only the final tokens so far
+            out["n_tokens"] = self.count
+        check_finite(out["nonfinite_at"], out["iterations"], out["tokens"])
+        return result(self.model, self.family, self.request, out, self.wall_s, self.compile_s)
+
+
+def chunk_programs(model, family, request: Request):
+    """The compiled (start, resume, outcome) programs of a request (see `Chunked`), and
+    the seconds spent compiling them now.
+
+    start(params, prompt, n, limits, seed) -> (state, progress);
+    resume(params, state, k) -> (state, progress), the state donated;
+    outcome(state) -> the outcome dict of `run`. progress: (tokens, final count, done)."""
+    key = (model.key, request.program)
+    names = (key + ("start",), key + ("resume",), key + ("outcome",))
+    if all(k in _compiled for k in names):  # without tracing anything again
+        return tuple(_compiled[k] for k in names), 0.0
+    loop = loop_of(model, family, request)
+
+    def start(params, prompt, n, limits, seed):
+        s = loop.start(params, prompt, n, limits, jax.random.PRNGKey(seed))
+        return s, loop.progress(s)
+
+    def resume(params, s, k):
+        s = loop.resume(params, s, k)
+        return s, loop.progress(s)
+
+    args = request.args()
+    state = jax.eval_shape(start, model.params, *args)[0]
+    exe_start, c0 = aot(names[0], start, model.params, *args)
+    exe_resume, c1 = aot(names[1], resume, model.params, state,
+                         jax.ShapeDtypeStruct((), jnp.int32), donate=(1,))
+    exe_outcome, c2 = aot(names[2], loop.outcome, state)
+    return (exe_start, exe_resume, exe_outcome), c0 + c1 + c2
+
+
 def result(model, family, request: Request, out: dict, wall_s: float,
            compile_s: float) -> DecodeResult:
     """The DecodeResult of one decode's outcome (host arrays)."""
@@ -371,6 +488,14 @@ def result(model, family, request: Request, out: dict, wall_s: float,
     iters = int(out["iterations"])
     tokens = np.asarray(out["tokens"])[: int(out["n_tokens"])].tolist()
     tokenizer = getattr(model, "tokenizer", None)
+    text = tokenizer.decode(tokens) if tokenizer is not None else None
+    finish = "stop" if (len(tokens) < request.max_new or stops.ends_with_marker(
+        tokens, request.limits["stop_tok"], request.limits["stop_len"])) else "length"
+    stop_at = None
+    cut = stops.cut_text(tokenizer.decode, tokens, request.stop_texts) if text else None
+    if cut is not None:
+        tokens, text, stop_at = cut
+        finish = "stop"
     W = family.window(p.width)
     extra = {}
     if "rows" in out:
@@ -382,8 +507,8 @@ def result(model, family, request: Request, out: dict, wall_s: float,
         tokens=tokens, nfe=int(out["nfe"]), iterations=iters,
         accept_hist=np.asarray(out["accept_hist"]), wall_s=wall_s, compile_s=compile_s,
         schedule=p.schedule, block_size=W + 1, prompt_len=len(request.prompt),
-        text=tokenizer.decode(tokens) if tokenizer is not None else None, family=family.name,
-        window=W, order=p.order, **extra)
+        text=text, family=family.name, window=W, order=p.order, finish_reason=finish,
+        stop_at=stop_at, **extra)
 
 
 def batch_args(model, batch: Batch) -> tuple:
@@ -402,7 +527,7 @@ def compiled_batch(model, family, batch: Batch) -> tuple[Any, float]:
     mesh = sharding.mesh_of(model.params)
     cache = None if mesh is None else jax.sharding.NamedSharding(
         mesh, sharding.cache_spec(model.config, mesh, len(batch.requests)))
-    run = seeded_batch(batched.build(family.parts(model, batch.program), cache_sharding=cache))
+    run = seeded_batch(batched.build(family.build(model, batch.program), cache_sharding=cache))
     key = (model.key, batch.program, "batch", len(batch.requests)) + placement(model)
     return aot(key, run, model.params, *batch_args(model, batch))
 
@@ -431,7 +556,7 @@ def run_many(model, family, request: Request, seeds) -> tuple[np.ndarray, np.nda
     seed seeds[i]. Raises NonFiniteError as `run` does if any sample met NaN/Inf logits.
     """
     seeds = requests.seeds(seeds)
-    many = jax.vmap(seeded(family.build(model, request.program)),
+    many = jax.vmap(seeded(loop_of(model, family, request).run),
                     in_axes=(None, None, None, None, 0))
     args = request.args()[:-1] + (jnp.asarray(seeds, jnp.uint32),)
     exe, _ = aot((model.key, request.program, "many", len(seeds)), many, model.params, *args)

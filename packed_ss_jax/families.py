@@ -42,9 +42,9 @@ class Family:
     # The draft-only adapter's folder and reader (path -> (rank, alpha) or None), if any.
     adapter_dir: str | None
     read_adapter: Callable | None
-    build: Callable[[Any, Any], Callable]  # (model, program) -> run(params, prompt, n, limits, key)
-    # (model, program) -> (start, step, outcome): `build`'s pieces, for the batched loop
-    parts: Callable[[Any, Any], tuple]
+    # (model, program) -> Loop (loop.py): run(params, prompt, n, limits, key) -> outcome,
+    # and the same decode in chunks: start, resume, outcome, progress.
+    build: Callable[[Any, Any], Any]
     limits: Callable[..., dict]  # (tokenizer, vocab, max_new, eos_id, stop_sequences) -> traced limits
 
     def width(self, schedule: str, requested: int) -> int:
@@ -62,18 +62,14 @@ def _nemotron_config(cfg, dtype, base_config):
     return config_lib.nemotron_from_hf(cfg, dtype)
 
 
-def _nemotron_limits(tokenizer, vocab, max_new, eos_id, stop_sequences):
-    return nemotron_schedules.limits(max_new, eos_id)
-
-
 NEMOTRON = Family(
     name="nemotron", title="Nemotron-Labs-Diffusion", model_type=config_lib.NEMOTRON_MODEL_TYPE,
     schedules=tuple(nemotron_schedules.SCHEDULES), reference="ar", inexact=(),
     sampled=tuple(nemotron_schedules.SCHEDULES), orders=("ltr",), orderless=("ar",),
-    width_name="block_size", width_symbol="B", min_width=2, width_counts_x=True, stop_sequences=False,
+    width_name="block_size", width_symbol="B", min_width=2, width_counts_x=True, stop_sequences=True,
     parse_config=_nemotron_config, read_weights=nemotron_checkpoint.read,
     adapter_dir=nemotron_checkpoint.LORA_DIR, read_adapter=nemotron_checkpoint.lora_config,
-    build=nemotron_schedules.build, parts=nemotron_schedules.parts, limits=_nemotron_limits)
+    build=nemotron_schedules.build, limits=nemotron_schedules.limits)
 
 SETDLM = Family(
     name="setdlm", title="SetDLM", model_type=config_lib.SETDLM_MODEL_TYPE,
@@ -83,7 +79,7 @@ SETDLM = Family(
     orderless=("serial", "native"), width_name="window", width_symbol="W", min_width=1, width_counts_x=False,
     stop_sequences=True, parse_config=config_lib.setdlm_from_hf,
     read_weights=setdlm_checkpoint.read, adapter_dir=None, read_adapter=None,
-    build=setdlm_program.build, parts=setdlm_program.parts,
+    build=setdlm_program.build,
     limits=setdlm_program.limits)
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (NEMOTRON, SETDLM)}

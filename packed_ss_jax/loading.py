@@ -12,7 +12,8 @@ from .checkpoints.errors import CheckpointError
 from .config import DTYPES, ConfigError, ModelConfig, read_hf_config
 from .model import MATMUL_PRECISIONS, Model
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
 
 
 def _tokenizer(path: Path):

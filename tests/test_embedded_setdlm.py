@@ -29,7 +29,8 @@ def model():
 
 def test_release_layout(model):
     files = {p.name for p in SETDLM_TINY.iterdir()}
-    assert files == {"config.json", "model.safetensors", "tokenizer.json", "training.json"}
+    assert files == {"config.json", "model.safetensors", "tokenizer.json", "training.json",
+                     "tokenizer_config.json", "chat_template.jinja"}
     assert sum(p.stat().st_size for p in SETDLM_TINY.iterdir()) <= 20 * 2 ** 20
     cfg = json.loads((SETDLM_TINY / "config.json").read_text())
     assert cfg["model_type"] == "bd3lm" and cfg["architectures"] == ["SetDLM"]

@@ -233,8 +233,6 @@ def test_setdlm_arguments_are_refused_for_nemotron():
     nemotron = Model(config=tiny_config(), params=None)  # refused before any computation
     with pytest.raises(ValueError, match="models take block_size=, not window="):
         ps.decode(nemotron, [1, 2, 3], window=4)
-    with pytest.raises(ValueError, match="stop_sequences are not supported"):
-        ps.decode(nemotron, [1, 2, 3], stop_sequences=[[2, 3]])
     with pytest.raises(ValueError, match="verify in one order only"):
         ps.decode(nemotron, [1, 2, 3], order="confidence")
     setdlm = Model(config=tiny_setdlm_config(), params=None)

@@ -23,6 +23,7 @@ run is redrawn with --replot.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -147,8 +148,8 @@ def run(model, prompts, schedules, widths, *, capacity: int, temperature=0.0, se
                   cache_size=capacity)
         seeds = [sample_seed(seed, r // samples, r % samples, samples) for r in group]
         if batch_size == 1:
-            return [api.decode(m, p.text, seed=seeds[0], **kw)]
-        return api.decode(m, [prompts[r // samples].text for r in group], seed=seeds, **kw)
+            return [api.decode(m, p.source, seed=seeds[0], **kw)]
+        return api.decode(m, [prompts[r // samples].source for r in group], seed=seeds, **kw)
 
     def rows_per_call(s, r):
         if r.max_rows is not None:  # SetDLM: the decode counts its rows
@@ -273,12 +274,32 @@ def probe_markdown(rows: list, chosen: dict, width_label: str = "B") -> str:
     return "\n".join(out)
 
 
+# The chat template's arguments where the paper renders a task's prompts through the
+# checkpoint's template (App. E.3): WritingBench with thinking disabled; SetDLM's GSM8K
+# with thinking enabled.
+CHAT_TEMPLATE_KWARGS = {("nemotron", "writingbench"): {"enable_thinking": False},
+                        ("setdlm", "writingbench"): {"enable_thinking": False},
+                        ("setdlm", "gsm8k"): {"enable_thinking": True}}
+
+
+def chat_prompts(model, prompts, task: str):
+    """The prompts as one user message each through the model's chat template (with the
+    paper's template arguments for the task), as ids."""
+    kwargs = CHAT_TEMPLATE_KWARGS.get((families.of(model.config).name, task), {})
+    return [dataclasses.replace(p, ids=api.chat_prompt(
+        model, [{"role": "user", "content": p.text}], kwargs)) for p in prompts]
+
+
 def cache_size_for(model, prompts, max_new_tokens=None) -> int:
     """One cache size for the whole task: the longest prompt plus its output cap, rounded
     up to a power of two (every call attends over the whole buffer, so size it to the task)."""
     need = 0
     for p in prompts:
-        n = len(model.tokenizer.encode(p.text).ids) if model.tokenizer is not None else len(p.text)
+        if p.ids is not None:
+            n = len(p.ids)
+        else:
+            n = len(model.tokenizer.encode(p.text).ids) if model.tokenizer is not None \
+                else len(p.text)
         need = max(need, n + (max_new_tokens or p.max_new_tokens))
     size = 64
     while size < need:
@@ -617,6 +638,10 @@ def _main(argv: list[str] | None, prog: str) -> int:
                         f"the time split over them)")
     p.add_argument("--data", help="local task file in its public jsonl format (paper tasks); "
                                   "with several file tasks TASK=PATH,TASK=PATH")
+    p.add_argument("--chat", action="store_true",
+                   help="render each prompt as a user message through the checkpoint's chat "
+                        "template (WritingBench: enable_thinking=False; SetDLM GSM8K: "
+                        "enable_thinking=True, as in the paper)")
     p.add_argument("--schedules", default=None,
                    help="comma-separated (default: every schedule of the model's family)")
     p.add_argument("--block-size", help="Nemotron-Labs-Diffusion: B for all, or per schedule: "
@@ -752,6 +777,8 @@ def _main(argv: list[str] | None, prog: str) -> int:
     runs, first = [], None
     for lora in loras:
         model = load_model(args, lora=lora)
+        if args.chat and first is None:  # the rendering needs the tokenizer
+            prompt_sets = {t: chat_prompts(model, ps, t) for t, ps in prompt_sets.items()}
         capacity = {t: cache_size_for(model, ps, args.max_new_tokens)
                     for t, ps in prompt_sets.items()}
         if first is None:

@@ -28,6 +28,12 @@ class Prompt:
     max_new_tokens: int
     score: Callable[[str], bool] | None = None  # continuation -> correct?
     stop_at_eos: bool = True
+    ids: list[int] | None = None   # the prompt as ids, when it went through a chat template
+
+    @property
+    def source(self):
+        """What is decoded: the ids when a chat template made them, else the text."""
+        return self.text if self.ids is None else self.ids
 
 
 class TaskError(InputError):

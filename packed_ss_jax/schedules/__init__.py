@@ -1,15 +1,17 @@
 """The Nemotron-Labs-Diffusion schedules: one pure `step(state) -> state` each, how
 each starts, and the decode program that runs them.
 
-`build(m, program)` returns the pure function the driver (engine.py) compiles:
+`build(m, program)` returns the `Loop` (loop.py) the driver (engine.py) compiles:
 `run(params, prompt, n, limits, key) -> outcome`, the first call followed by
-`lax.while_loop` over the schedule's step. The prompt length and the limits (length
-limit, EOS id) are traced, so they never recompile.
+`lax.while_loop` over the schedule's step, or the same in chunks (`start`, `resume`).
+The prompt length and the limits (length limit, stop markers with EOS) are traced, so
+they never recompile.
 """
 
-import jax
 import numpy as np
 
+from .. import stops
+from ..loop import Loop
 from . import ar, linear, packed, quadratic
 from .prefill import first_call, prefill
 
@@ -23,45 +25,24 @@ SCHEDULES = {
 }
 
 
-def parts(m, p):
-    """The decode program of one program `p` in three pure pieces, `p.width` the block
-    size B (1 for AR):
-
-        start(params, prompt, n, limits, key) -> State   the first call
-        step(params, State) -> State                     one loop iteration
-        outcome(State) -> dict                           what the driver reads
-
-    `build` runs them as one `lax.while_loop`; the batched driver (batched.py) runs
-    `step` over a batch of states in one loop."""
-    init, step_fn = SCHEDULES[p.schedule]
+def build(m, p) -> Loop:
+    """The decode loop of one program; `p.width` is the block size B (1 for AR)."""
+    first, step = SCHEDULES[p.schedule]
     B, sampler = p.width, p.sampler
 
-    def start(params, prompt, n, limits, key):
-        return init(m, params, prompt, n, B=B, capacity=p.capacity, max_new=limits["max_new"],
-                    eos_id=limits["eos_id"], sampler=sampler, key=key)
-
-    def step(params, s):
-        return step_fn(m, params, s, B=B, sampler=sampler)
+    def init(params, prompt, n, limits, key):
+        return first(m, params, prompt, n, B=B, capacity=p.capacity, max_new=limits["max_new"],
+                     stop_tok=limits["stop_tok"], stop_len=limits["stop_len"], sampler=sampler,
+                     key=key)
 
     def outcome(s):
         return dict(tokens=s.out, n_tokens=s.n_out, nfe=s.nfe, iterations=s.iterations,
                     accept_hist=s.hist, nonfinite_at=s.nonfinite_at)
 
-    return start, step, outcome
+    return Loop(init=init, step=lambda params, s: step(m, params, s, B=B, sampler=sampler),
+                outcome=outcome, progress=lambda s: (s.out, s.n_out, s.done))
 
 
-def build(m, p):
-    """The pure decode function of one program: the first call, then the loop."""
-    start, step, outcome = parts(m, p)
-
-    def run(params, prompt, n, limits, key):
-        s = start(params, prompt, n, limits, key)
-        s = jax.lax.while_loop(lambda s: ~s.done, lambda s: step(params, s), s)
-        return outcome(s)
-
-    return run
-
-
-def limits(max_new: int, eos_id: int | None) -> dict:
-    """The traced limits: the length limit and the EOS id (-1: no EOS stop)."""
-    return {"max_new": np.int32(max_new), "eos_id": np.int32(-1 if eos_id is None else eos_id)}
+def limits(tokenizer, vocab: int, max_new: int, eos_id: int | None, stop_sequences) -> dict:
+    """The traced limits: the length limit and the stop-marker table, EOS included."""
+    return {"max_new": np.int32(max_new), **stops.table(tokenizer, vocab, eos_id, stop_sequences)}

@@ -27,8 +27,8 @@ def _cache_prompt(m: ForwardModel, kv_rows, P: int, capacity: int, B: int):
     return cache_lib.commit(m.empty_cache(capacity + B), kv_rows, jnp.arange(P), 0)
 
 
-def prefill(m: ForwardModel, params, prompt, n, *, B: int, capacity: int, max_new, eos_id,
-            sampler: Sampler, key) -> State:
+def prefill(m: ForwardModel, params, prompt, n, *, B: int, capacity: int, max_new, stop_tok,
+            stop_len, sampler: Sampler, key) -> State:
     call = layouts.prefill(prompt)
     logits, kv = run_call(m, params, call, m.empty_cache(0), 0, out_rows=(n - 1)[None])
     k_first = None
@@ -38,15 +38,16 @@ def prefill(m: ForwardModel, params, prompt, n, *, B: int, capacity: int, max_ne
     cache = _cache_prompt(m, kv, prompt.shape[0], capacity, B)
     draft, draft_len = no_draft(B, m.mask_id)
     return start(m, cache, n, first, draft, draft_len, B=B, capacity=capacity, max_new=max_new,
-                 eos_id=eos_id, verifier=logits, key=None if sampler.greedy else key,
+                 stop_tok=stop_tok, stop_len=stop_len, verifier=logits,
+                 key=None if sampler.greedy else key,
                  draft_q=empty_q(sampler, B - 1, m.vocab_size))
 
 
-def first_call(m: ForwardModel, params, prompt, n, *, B: int, capacity: int, max_new, eos_id,
-               sampler: Sampler, key) -> State:
+def first_call(m: ForwardModel, params, prompt, n, *, B: int, capacity: int, max_new, stop_tok,
+               stop_len, sampler: Sampler, key) -> State:
     if not sampler.greedy:
         s = prefill(m, params, prompt, n, B=B, capacity=capacity, max_new=max_new,
-                    eos_id=eos_id, sampler=sampler, key=key)
+                    stop_tok=stop_tok, stop_len=stop_len, sampler=sampler, key=key)
         return jax.lax.cond(s.done, lambda s: s, lambda s: _draft_after_first(m, params, s, B, sampler), s)
     P = prompt.shape[0]
     call = layouts.first_call(prompt, n, B, m.mask_id)
@@ -56,7 +57,7 @@ def first_call(m: ForwardModel, params, prompt, n, *, B: int, capacity: int, max
     draft = drafter_tokens(logits[1:], m.mask_id)
     cache = _cache_prompt(m, kv, P, capacity, B)
     return start(m, cache, n, first, draft, B - 1, B=B, capacity=capacity, max_new=max_new,
-                 eos_id=eos_id, verifier=logits[:1], drafter=logits[1:])
+                 stop_tok=stop_tok, stop_len=stop_len, verifier=logits[:1], drafter=logits[1:])
 
 
 def _draft_after_first(m, params, s: State, B: int, sampler: Sampler) -> State:

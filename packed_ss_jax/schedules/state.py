@@ -1,8 +1,9 @@
 """Decoding state and the steps every schedule shares: accept, stop, emit, commit.
 
-The state is one pytree carried through `lax.while_loop`. Stopping (EOS, length
-limit) is decided here, inside the loop (Algorithm 1, lines 7-8); counts are
-traced scalars, so a new `max_new_tokens` or EOS id never recompiles.
+The state is one pytree carried through `lax.while_loop`. Stopping (the stop markers,
+EOS among them, and the length limit) is decided here, inside the loop (Algorithm 1,
+lines 7-8); counts and the marker table are traced, so a new `max_new_tokens`, EOS id or
+stop sequence never recompiles.
 
 Non-finite logits stop the loop too: a token is appended only if the logits row it
 was chosen from is finite, and the loop goes on only if the drafter rows are finite
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import cache as cache_lib
-from .. import sampling
+from .. import sampling, stops
 from ..reductions import first_argmax, leading_true, nonfinite_rows
 from ..sampling import Sampler, StoredQ
 
@@ -53,7 +54,8 @@ class State:
     iterations: jax.Array
     hist: jax.Array        # [B+1]: hist[k] = iterations that emitted k tokens
     max_new: jax.Array
-    eos_id: jax.Array      # -1: no EOS stopping
+    stop_tok: jax.Array    # [K, Lm] stop markers (EOS included), see stops.py
+    stop_len: jax.Array    # [K] (0: unused slot)
     nonfinite_at: jax.Array  # generated position where NaN/Inf logits stopped the loop; -1: none
     key: Any = None        # PRNG key (sampling only), threaded through the loop
     draft_q: Any = None    # StoredQ of the draft (sampling only): what each d was drawn from
@@ -132,17 +134,17 @@ def empty_q(sampler: Sampler, width: int, vocab: int):
 
 
 def emit(s: State, accepted, count, verifier, drafter=None) -> State:
-    """Appends accepted[:a], a = min(count, tokens left, first EOS + 1) (Alg. 1, l. 7-8).
+    """Appends accepted[:a], a = min(count, tokens left, the end of the first stop marker
+    completed by accepted[:count]) (Alg. 1, l. 7-8).
 
     verifier[k] is the logits row accepted[k] was chosen by; drafter, the rows the next
     draft came from. If verifier[r] holds NaN/Inf for some r < a, only accepted[:r] is
     appended; then, or if drafter does, decoding stops after what was appended (see the
     module docstring)."""
     k = jnp.arange(accepted.shape[0])
-    live = k < count
-    is_eos = live & (accepted == s.eos_id)
-    eos_at = jnp.where(jnp.any(is_eos), jnp.argmax(is_eos) + 1, count)
-    a = jnp.minimum(jnp.minimum(count, s.max_new - s.n_out), eos_at).astype(jnp.int32)
+    is_stop = stops.ends_in_new(s.out, s.n_out, accepted, count, s.stop_tok, s.stop_len)
+    stop_at = jnp.where(jnp.any(is_stop), jnp.argmax(is_stop) + 1, count)
+    a = jnp.minimum(jnp.minimum(count, s.max_new - s.n_out), stop_at).astype(jnp.int32)
     row_bad = nonfinite_rows(verifier) & (k < a)
     a = jnp.min(jnp.where(row_bad, k, a)).astype(jnp.int32)  # tokens before the first bad row
     bad = jnp.any(row_bad)
@@ -153,7 +155,7 @@ def emit(s: State, accepted, count, verifier, drafter=None) -> State:
     index = jnp.where(k < a, s.n_out + k, capacity)  # out-of-range rows are dropped
     out = s.out.at[index].set(accepted, mode="drop")
     n_out = s.n_out + a
-    stopped = jnp.any(is_eos & (k < a)) | (n_out >= s.max_new)
+    stopped = jnp.any(is_stop & (k < a)) | (n_out >= s.max_new)
     return s.replace(out=out, n_out=n_out, done=s.done | stopped,
                      iterations=s.iterations + 1, hist=s.hist.at[a].add(1))
 
@@ -171,14 +173,16 @@ def advance(s: State, kv_rows, rows, accepted, count, next_x, draft, draft_len, 
 
 
 def start(m: ForwardModel, cache, n, first, draft, draft_len, *, B: int, capacity: int,
-          max_new, eos_id, verifier, drafter=None, key=None, draft_q=None) -> State:
+          max_new, stop_tok, stop_len, verifier, drafter=None, key=None,
+          draft_q=None) -> State:
     """State after the first call: the prompt is cached, `first` is the first token
     (chosen by the logits row `verifier` [1, V]; `drafter`: the rows of `draft`)."""
     s = State(cache=cache, cache_len=jnp.asarray(n, jnp.int32), x=first, draft=draft,
               draft_len=jnp.asarray(draft_len, jnp.int32),
               out=jnp.zeros(capacity, jnp.int32), n_out=jnp.int32(0), done=jnp.bool_(False),
               nfe=jnp.int32(1), iterations=jnp.int32(0), hist=jnp.zeros(B + 1, jnp.int32),
-              max_new=jnp.asarray(max_new, jnp.int32), eos_id=jnp.asarray(eos_id, jnp.int32),
+              max_new=jnp.asarray(max_new, jnp.int32), stop_tok=jnp.asarray(stop_tok, jnp.int32),
+              stop_len=jnp.asarray(stop_len, jnp.int32),
               nonfinite_at=jnp.int32(-1), key=key, draft_q=draft_q)
     return emit(s, first[None], jnp.int32(1), verifier, drafter)
 

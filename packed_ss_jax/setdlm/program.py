@@ -1,30 +1,27 @@
 """The SetDLM decode program: the prompt call, then `lax.while_loop` over one schedule step.
 
-`build(m, program)` returns the pure function the driver (engine.py) compiles:
-`run(params, prompt, n, limits, key) -> outcome`. The prompt length, the length limit
-and the stop markers (`limits`: the length limit and a fixed-size table of markers, EOS
-included) are traced, so they never recompile.
+`build(m, program)` returns the `Loop` (loop.py) the driver (engine.py) compiles:
+`run(params, prompt, n, limits, key) -> outcome`, or the same in chunks (`start`,
+`resume`). The prompt length, the length limit and the stop markers (`limits`: the
+length limit and a fixed-size table of markers, EOS included, see stops.py) are traced,
+so they never recompile.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .. import cache as cache_lib
 from .. import layouts as base_layouts
-from .. import requests
-from ..requests import InputError, InputTypeError
+from .. import stops
+from ..loop import Loop
+from ..reductions import leading_true
 from ..sampling import StoredQ
 from .schedules import SCHEDULES
 from .state import State
 
 ORDERS = ("ltr", "confidence")
-MAX_STOPS = 8       # stop markers per request (EOS included)
-MAX_STOP_LEN = 16   # tokens per marker
 
 
 def start(m, params, prompt, n, *, p, max_new, stop_tok, stop_len, key) -> State:
@@ -53,18 +50,13 @@ def start(m, params, prompt, n, *, p, max_new, stop_tok, stop_len, key) -> State
         trace_fed=jnp.zeros(iters, jnp.int32), **sampled)
 
 
-def parts(m, p):
-    """The decode program in three pure pieces, `start(params, prompt, n, limits, key)
-    -> State`, `step(params, State) -> State` and `outcome(State) -> dict` (see
-    schedules.parts for the Nemotron family's)."""
-    step_fn = SCHEDULES[p.schedule]
+def build(m, p) -> Loop:
+    """The decode loop of one program (see the module doc)."""
+    step = SCHEDULES[p.schedule]
 
-    def begin(params, prompt, n, limits, key):
+    def init(params, prompt, n, limits, key):
         return start(m, params, prompt, n, p=p, max_new=limits["max_new"],
                      stop_tok=limits["stop_tok"], stop_len=limits["stop_len"], key=key)
-
-    def step(params, s):
-        return step_fn(m, params, s, W=p.width, order=p.order, sampler=p.sampler)
 
     def outcome(s):
         return dict(tokens=s.tok, n_tokens=s.E, nfe=s.nfe, iterations=s.iterations,
@@ -72,19 +64,14 @@ def parts(m, p):
                     max_rows=s.max_rows, trace_order=s.trace_out, trace_accepted=s.trace_A,
                     trace_fed=s.trace_fed)
 
-    return begin, step, outcome
+    def progress(s):
+        # The resolved prefix is final: a stop marker completed later ends past it (its
+        # tokens are not all in the prefix), so E never shrinks below it.
+        return s.tok, jnp.minimum(leading_true(s.res), s.E), s.done
 
-
-def build(m, p):
-    """The pure decode function of one program (see the module doc)."""
-    begin, step, outcome = parts(m, p)
-
-    def run(params, prompt, n, limits, key):
-        s = begin(params, prompt, n, limits, key)
-        s = jax.lax.while_loop(lambda s: ~s.done, lambda s: step(params, s), s)
-        return outcome(s)
-
-    return run
+    return Loop(init=init, outcome=outcome, progress=progress,
+                step=lambda params, s: step(m, params, s, W=p.width, order=p.order,
+                                            sampler=p.sampler))
 
 
 def limits(tokenizer, vocab: int, max_new: int, eos_id: int | None, stop_sequences) -> dict:
@@ -92,39 +79,4 @@ def limits(tokenizer, vocab: int, max_new: int, eos_id: int | None, stop_sequenc
 
     A marker is a token-id list, or a string when a tokenizer is given; it counts once
     all its tokens are accepted, and the output ends with the earliest (App. E.2)."""
-    if stop_sequences is None:
-        stop_sequences = ()
-    if isinstance(stop_sequences, (str, bytes)) or not isinstance(stop_sequences, Iterable):
-        # A bare string would become one marker per character.
-        raise InputTypeError(f"stop_sequences must be a list of markers (strings or token-id "
-                             f"lists), e.g. ['\\n\\n'] or [[13, 13]]; got {stop_sequences!r}")
-    markers = []
-    for seq in stop_sequences:
-        if isinstance(seq, str):
-            if tokenizer is None:
-                raise InputError(f"stop sequence {seq!r} is a string but this model has no "
-                                 "tokenizer; pass token ids")
-            seq = tokenizer.encode(seq, add_special_tokens=False).ids
-        if requests.is_int(seq):
-            seq = [seq]
-        try:
-            seq = requests.token_list(seq, "stop sequence")
-        except InputTypeError:
-            raise InputTypeError(f"stop sequence {seq!r} must be integer token ids (or a "
-                                 "string)") from None
-        if not seq:
-            raise InputError("empty stop sequence: every stop marker needs at least one token")
-        if len(seq) > MAX_STOP_LEN:
-            raise InputError(f"stop sequence of {len(seq)} tokens is longer than {MAX_STOP_LEN}")
-        requests.check_ids(np.asarray(seq, np.int64), vocab, "stop sequence")
-        markers.append(seq)
-    if eos_id is not None:
-        markers.append([eos_id])
-    if len(markers) > MAX_STOPS:
-        raise InputError(f"{len(markers)} stop markers (EOS included); at most {MAX_STOPS}")
-    tok = np.zeros((MAX_STOPS, MAX_STOP_LEN), np.int32)
-    length = np.zeros(MAX_STOPS, np.int32)
-    for i, seq in enumerate(markers):
-        tok[i, : len(seq)] = seq
-        length[i] = len(seq)
-    return {"max_new": np.int32(max_new), "stop_tok": tok, "stop_len": length}
+    return {"max_new": np.int32(max_new), **stops.table(tokenizer, vocab, eos_id, stop_sequences)}

@@ -1,0 +1,96 @@
+#!/usr/bin/env python
+"""What streaming costs: wall time of a decode run in chunks of k loop iterations
+(engine.Chunked: `Loop.start`, then `Loop.resume` per launch, the state donated, the
+final tokens read back after each launch) against the same decode in one launch
+(engine.run), on the same compiled loop body. Interleaved repetitions, medians.
+
+    python -m benchmarks.stream_overhead                         # embedded nld-tiny, packed
+    python -m benchmarks.stream_overhead --schedule ar --chunks 4,16 --tokens 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import numpy as np
+
+import packed_ss_jax as ps
+from packed_ss_jax import engine, families
+from packed_ss_jax.detokenize import Detokenizer
+
+PROMPT = ("Question: Ava has 12 apples. Ava gets 7 more apples. How many apples does Ava have "
+          "now?\nAnswer:")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="checkpoint (default: the embedded nld-tiny)")
+    p.add_argument("--schedule", default="packed")
+    p.add_argument("--tokens", type=int, default=256, help="max_new_tokens (EOS ignored)")
+    p.add_argument("--chunks", default=f"4,8,{engine.DEFAULT_CHUNK},32")
+    p.add_argument("--repeat", type=int, default=15)
+    args = p.parse_args(argv)
+
+    model = ps.load(args.model)
+    family = families.of(model.config)
+    request = engine.prepare(model, family, PROMPT, schedule=args.schedule,
+                             max_new_tokens=args.tokens, eos_id=None)
+    chunks = [int(k) for k in args.chunks.split(",")]
+    one = engine.run(model, family, request)  # compiles
+    for k in chunks:
+        assert [t for c in engine.Chunked(model, family, request, k) for t in c] == one.tokens
+
+    def chunked(k, text: bool):
+        t0 = time.perf_counter()
+        d = Detokenizer(model.tokenizer.decode) if text else None
+        for new in engine.Chunked(model, family, request, k):
+            if d is not None:
+                d.add(new)
+        return time.perf_counter() - t0
+
+    def oneshot():
+        return engine.run(model, family, request).wall_s
+
+    times = {"one-shot": []} | {f"k={k}": [] for k in chunks} | \
+            {f"k={k} + text": [] for k in chunks}
+    for _ in range(args.repeat):  # interleaved, so drifts in machine load hit all alike
+        times["one-shot"].append(oneshot())
+        for k in chunks:
+            times[f"k={k}"].append(chunked(k, False))
+            times[f"k={k} + text"].append(chunked(k, True))
+    # The fixed cost of one launch: a resume that runs no iteration (k = 0: dispatch, the
+    # donated state, the progress read back). Best of many, so machine load hides less.
+    c = engine.Chunked(model, family, request, 1)
+    c.launch()
+    empty = []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        c.state, progress = c._resume(model.params, c.state, np.int32(0))
+        jax.device_get(progress)
+        empty.append(time.perf_counter() - t0)
+    launch = min(empty)
+    base, best = statistics.median(times["one-shot"]), min(times["one-shot"])
+    print(f"{model.source}: {args.schedule}, {len(one.tokens)} tokens, {one.iterations} "
+          f"iterations, {one.nfe} NFE; {args.repeat} runs each")
+    print("| decode | launches | median wall (ms) | vs one-shot | best wall (ms) | vs one-shot |")
+    print("|---|---|---|---|---|---|")
+    for name, ts in times.items():
+        t, b = statistics.median(ts), min(ts)
+        k = int(name.split()[0][2:]) if name.startswith("k=") else None
+        launches = 1 if k is None else 1 + -(-(one.iterations - 1) // k)
+        print(f"| {name} | {launches} | {1e3 * t:.1f} | {100 * (t / base - 1):+.1f} % | "
+              f"{1e3 * b:.1f} | {100 * (b / best - 1):+.1f} % |")
+    print(f"\none launch, no iteration (k=0): best {1e6 * launch:.0f} us, median "
+          f"{1e6 * statistics.median(empty):.0f} us; per-iteration cost (best one-shot / "
+          f"iterations): {1e3 * best / one.iterations:.2f} ms")
+    for k in chunks:
+        launches = 1 + -(-(one.iterations - 1) // k)
+        print(f"k={k}: {launches - 1} extra launches x best launch cost = "
+              f"{100 * (launches - 1) * launch / best:.2f} % of the best one-shot wall")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Stop markers, for every family: the traced marker table, its test on device, and the
+text stops checked on the host.
+
+A marker is a token-id sequence (EOS is the one-token marker); it counts once all its
+tokens are accepted, and the output ends with the marker that ends earliest (App. E.2).
+The table has a fixed shape (MAX_STOPS x MAX_STOP_LEN, lengths beside it), so new markers
+never recompile. A stop given as text is also searched for in the decoded text after the
+loop (`cut_text`): the model may spell the string with other tokens than the tokenizer's
+own encoding (which the table holds), or across token boundaries, and the output must
+still end at its earliest occurrence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import jax.numpy as jnp
+import numpy as np
+
+from . import requests
+from .requests import InputError, InputTypeError
+
+MAX_STOPS = 8       # stop markers per request (EOS included)
+MAX_STOP_LEN = 16   # tokens per marker
+
+
+def _sequences(stop_sequences) -> list:
+    if stop_sequences is None:
+        return []
+    if isinstance(stop_sequences, (str, bytes)) or not isinstance(stop_sequences, Iterable):
+        # A bare string would become one marker per character.
+        raise InputTypeError(f"stop_sequences must be a list of markers (strings or token-id "
+                             f"lists), e.g. ['\\n\\n'] or [[13, 13]]; got {stop_sequences!r}")
+    return list(stop_sequences)
+
+
+def table(tokenizer, vocab: int, eos_id: int | None, stop_sequences) -> dict:
+    """The traced marker table {stop_tok [K, Lm] (left-aligned), stop_len [K] (0: unused)}.
+
+    A marker is a token-id list, or a string when a tokenizer is given (its encoding)."""
+    markers = []
+    for seq in _sequences(stop_sequences):
+        if isinstance(seq, str):
+            if tokenizer is None:
+                raise InputError(f"stop sequence {seq!r} is a string but this model has no "
+                                 "tokenizer; pass token ids")
+            if not seq:
+                raise InputError("empty stop sequence: every stop marker needs at least one "
+                                 "character")
+            seq = tokenizer.encode(seq, add_special_tokens=False).ids
+        if requests.is_int(seq):
+            seq = [seq]
+        try:
+            seq = requests.token_list(seq, "stop sequence")
+        except InputTypeError:
+            raise InputTypeError(f"stop sequence {seq!r} must be integer token ids (or a "
+                                 "string)") from None
+        if not seq:
+            raise InputError("empty stop sequence: every stop marker needs at least one token")
+        if len(seq) > MAX_STOP_LEN:
+            raise InputError(f"stop sequence of {len(seq)} tokens is longer than {MAX_STOP_LEN}")
+        requests.check_ids(np.asarray(seq, np.int64), vocab, "stop sequence")
+        markers.append(seq)
+    if eos_id is not None:
+        markers.append([eos_id])
+    if len(markers) > MAX_STOPS:
+        raise InputError(f"{len(markers)} stop markers (EOS included); at most {MAX_STOPS}")
+    tok = np.zeros((MAX_STOPS, MAX_STOP_LEN), np.int32)
+    length = np.zeros(MAX_STOPS, np.int32)
+    for i, seq in enumerate(markers):
+        tok[i, : len(seq)] = seq
+        length[i] = len(seq)
+    return {"stop_tok": tok, "stop_len": length}
+
+
+def texts(stop_sequences) -> tuple[str, ...]:
+    """The stops given as text (checked on the decoded text after the loop)."""
+    return tuple(s for s in _sequences(stop_sequences) if isinstance(s, str))
+
+
+# --- on device --------------------------------------------------------------------------------
+
+
+def ends_in_new(out, n_out, new, count, stop_tok, stop_len):
+    """[A] bool: a marker's last token is new[k] (k < count), for the output
+    out[:n_out] + new[:count] (a prefix output: Nemotron's)."""
+    A = new.shape[0]
+    K, Lm = stop_tok.shape
+    pos = n_out + jnp.arange(A)                              # position of new[k]
+    j = jnp.arange(Lm)
+    q = pos[:, None] - j[None, :]                            # [A, Lm] position j tokens back
+    from_new = jnp.take(new, jnp.clip(q - n_out, 0, A - 1))
+    from_out = jnp.take(out, jnp.clip(q, 0, out.shape[0] - 1))
+    seq = jnp.where(q >= n_out, from_new, from_out)          # [A, Lm]
+    # Marker i's token j back from its end: stop_tok[i, len_i - 1 - j].
+    want = jnp.take_along_axis(stop_tok, jnp.clip(stop_len[:, None] - 1 - j[None, :], 0, Lm - 1),
+                               axis=1)                       # [K, Lm]
+    used = j[None, :] < stop_len[:, None]                    # [K, Lm]
+    hit = (seq[:, None, :] == want[None]) & (q[:, None, :] >= 0)
+    ok = jnp.all(hit | ~used[None], axis=-1) & (stop_len[None, :] > 0)  # [A, K]
+    return jnp.any(ok, axis=-1) & (jnp.arange(A) < count)
+
+
+# --- on the host ------------------------------------------------------------------------------
+
+
+def ends_with_marker(tokens: list[int], stop_tok, stop_len) -> bool:
+    """The output ends with a whole marker of the table (it stopped there)."""
+    for row, n in zip(np.asarray(stop_tok), np.asarray(stop_len)):
+        n = int(n)
+        if n and len(tokens) >= n and tokens[-n:] == row[:n].tolist():
+            return True
+    return False
+
+
+def find_text(text: str, strings) -> tuple[int, int] | None:
+    """(start, end) of the stop string that ends earliest in `text` (None: none)."""
+    best = None
+    for s in strings:
+        i = text.find(s)
+        if i >= 0 and (best is None or i + len(s) < best[1]):
+            best = (i, i + len(s))
+    return best
+
+
+def cut_text(decode, tokens: list[int], strings) -> tuple[list[int], str, int] | None:
+    """The output cut at the earliest text stop: (tokens up to the one that completes it,
+    the text up to the stop's end, where the stop starts in it); None when none occurs."""
+    if not strings:
+        return None
+    text = decode(tokens)
+    hit = find_text(text, strings)
+    if hit is None:
+        return None
+    # The fewest tokens whose text holds a stop (decoded text grows with the tokens).
+    lo, hi = 1, len(tokens)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if find_text(decode(tokens[:mid]), strings) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    text = decode(tokens[:lo])
+    start, end = find_text(text, strings)
+    return tokens[:lo], text[:end], start
+
+
+def holdback(text: str, strings) -> int:
+    """Characters at the end of `text` that may be the beginning of a stop string, so a
+    stream must not show them yet."""
+    keep = 0
+    for s in strings:
+        for n in range(min(len(s) - 1, len(text)), keep, -1):
+            if text.endswith(s[:n]):
+                keep = n
+                break
+    return keep

@@ -1,0 +1,216 @@
+"""`packed-ss serve` as a real process on 127.0.0.1, through the official `openai` client:
+completions and chat completions, streamed and not, give `decode`'s tokens; 32 concurrent
+requests all come back right; bad requests get a 4xx with an OpenAI-style error body; a
+client leaving mid-stream frees the decoder; SIGINT (Ctrl-C) stops the server cleanly."""
+
+import concurrent.futures
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import packed_ss_jax as ps
+
+openai = pytest.importorskip("openai")
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ps.load()
+MAX_TOKENS = 12
+
+
+def _http(base: str, method: str, path: str, body=None, timeout: float = 60):
+    """(status, parsed JSON body) of one plain HTTP request (the standard library's client,
+    so that malformed bodies can be sent as they are)."""
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        if body is not None and not isinstance(body, bytes):
+            body = json.dumps(body).encode()
+        conn.request(method, path, body=body, headers={"content-type": "application/json"})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read() or b"null")
+    finally:
+        conn.close()
+
+
+def _health(base: str) -> dict:
+    return _http(base, "GET", "/health", timeout=5)[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PACKED_SS_COMPILE_CACHE="off")
+    proc = subprocess.Popen([sys.executable, "-m", "packed_ss_jax", "serve", "--port", str(port)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if _http(base, "GET", "/health", timeout=1)[0] == 200:
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"server did not start: {proc.stdout.read().decode()[-2000:]}")
+            time.sleep(0.2)
+        yield proc, base
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[1] + "/v1", api_key="none", timeout=120)
+
+
+def _question(i: int) -> str:
+    return f"Question: Ava has {i} apples. She gets {i + 3} more apples. How many?\nAnswer:"
+
+
+def _decode(**kw):
+    return ps.decode(MODEL, max_new_tokens=MAX_TOKENS, **kw)
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == ["nld-tiny"]
+    assert _health(server[1])["status"] == "ok"
+
+
+def test_completions_streamed_and_not(client):
+    want = _decode(prompt=_question(2))
+    r = client.completions.create(model="nld-tiny", prompt=_question(2), max_tokens=MAX_TOKENS,
+                                  temperature=0)
+    assert r.choices[0].text == want.text
+    assert r.model_extra["packed_ss"]["token_ids"] == want.tokens
+    assert r.usage.completion_tokens == len(want.tokens)
+    assert r.usage.prompt_tokens == len(MODEL.tokenizer.encode(_question(2)).ids)
+    assert r.model_extra["packed_ss"]["nfe"] == want.nfe
+    assert r.choices[0].finish_reason == want.finish_reason == "length"
+    events = list(client.completions.create(model="nld-tiny", prompt=_question(2),
+                                            max_tokens=MAX_TOKENS, temperature=0, stream=True))
+    assert "".join(e.choices[0].text for e in events) == want.text
+    assert events[-1].model_extra["packed_ss"]["token_ids"] == want.tokens
+    assert events[-1].choices[0].finish_reason == want.finish_reason
+
+
+def test_chat_streamed_and_not_with_a_stop(client):
+    messages = [{"role": "user", "content": "Ava has 3 apples. She gets 4 more. How many?"}]
+    want = _decode(messages=messages)
+    r = client.chat.completions.create(model="nld-tiny", messages=messages,
+                                       max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].message.content == want.text
+    assert r.model_extra["packed_ss"]["token_ids"] == want.tokens
+    events = list(client.chat.completions.create(model="nld-tiny", messages=messages,
+                                                 max_tokens=MAX_TOKENS, temperature=0,
+                                                 stream=True))
+    assert "".join(e.choices[0].delta.content or "" for e in events) == want.text
+    # A stop string: the text ends before it (OpenAI semantics), finish_reason "stop".
+    stop = want.text[len(want.text) // 2: len(want.text) // 2 + 2]
+    cut = want.text[: want.text.find(stop)]
+    for stream in (False, True):
+        r = client.chat.completions.create(model="nld-tiny", messages=messages, stop=[stop],
+                                           max_tokens=MAX_TOKENS, temperature=0, stream=stream)
+        if stream:
+            r = list(r)
+            assert "".join(e.choices[0].delta.content or "" for e in r) == cut
+            assert r[-1].choices[0].finish_reason == "stop"
+        else:
+            assert (r.choices[0].message.content, r.choices[0].finish_reason) == (cut, "stop")
+
+
+def test_32_concurrent_requests(client):
+    prompts = [_question(i) for i in range(32)]
+    want = {p: _decode(prompt=p).text for p in prompts}
+
+    def ask(i):
+        p = prompts[i]
+        if i % 2:
+            return p, "".join(e.choices[0].text for e in client.completions.create(
+                model="nld-tiny", prompt=p, max_tokens=MAX_TOKENS, temperature=0, stream=True))
+        return p, client.completions.create(model="nld-tiny", prompt=p, max_tokens=MAX_TOKENS,
+                                            temperature=0).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        got = dict(pool.map(ask, range(32)))
+    assert got == want
+
+
+BAD = [
+    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    ("/v1/completions", b'{"model": "nld-tiny", "prompt": ', 400, None),
+    ("/v1/completions", {"model": "nld-tiny", "prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "nld-tiny", "prompt": "x", "max_tokens": 10**12}, 400,
+     "max_tokens"),
+    ("/v1/completions", {"model": "nld-tiny", "prompt": "apples " * 1200, "max_tokens": 4}, 400,
+     None),
+    ("/v1/completions", {"model": "nld-tiny", "prompt": "x", "temperature": "hot"}, 400,
+     "temperature"),
+    ("/v1/completions", {"model": "nld-tiny", "prompt": "x", "seed": 1.5}, 400, "seed"),
+    ("/v1/completions", {"model": "nld-tiny", "prompt": [1, 99999]}, 400, None),
+    ("/v1/completions", {"model": "nld-tiny", "prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": "nld-tiny"}, 400, "prompt"),
+    ("/v1/chat/completions", {"model": "nld-tiny", "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "nld-tiny", "messages": [{"content": "x"}]}, 400, None),
+    ("/v1/chat/completions", {"model": "nld-tiny", "messages": [{"role": "robot",
+                                                                 "content": "x"}]}, 400, None),
+    ("/v1/nothing", {}, 404, None),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD)
+def test_bad_requests_get_4xx_with_an_openai_error(server, path, body, status, param):
+    code, reply = _http(server[1], "POST", path, body)
+    assert code == status, reply
+    error = reply["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_a_client_leaving_mid_stream_frees_the_decoder(server, client):
+    base = server[1]
+    before = _health(base)["cancelled"]
+    body = {"model": "nld-tiny", "prompt": _question(1), "max_tokens": 600, "temperature": 0,
+            "stream": True}
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+                     headers={"content-type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200
+        while b'"text": "' not in r.readline():  # leave after the first piece of text
+            pass
+    finally:
+        conn.close()
+    deadline = time.monotonic() + 30
+    while _health(base)["cancelled"] == before:
+        assert time.monotonic() < deadline, "the abandoned request was never cancelled"
+        time.sleep(0.05)
+    # The decoder is free: the next request is served.
+    r = client.completions.create(model="nld-tiny", prompt=_question(2), max_tokens=MAX_TOKENS,
+                                  temperature=0)
+    assert r.choices[0].text == _decode(prompt=_question(2)).text
+
+
+def test_ctrl_c_stops_the_server(server):
+    proc, base = server
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 0
