@@ -380,13 +380,19 @@ def to_host(out):
 def run(model, family, request: Request) -> DecodeResult:
     """Decodes one checked request: compile (once), run, synchronise, read the outcome."""
     exe, compile_s = compiled(model, family, request)
-    args = request_args(model, request)
+    out, wall = execute(model, exe, request_args(model, request))
+    return result(model, family, request, out, wall, compile_s)
+
+
+def execute(model, exe, args) -> tuple[dict, float]:
+    """Runs a compiled decode program; its outcome on the host (NonFiniteError if it met
+    NaN/Inf logits) and the wall seconds it ran."""
     t0 = time.perf_counter()
     out = jax.block_until_ready(exe(model.params, *args))
     wall = time.perf_counter() - t0
     out = to_host(out)
     check_finite(out["nonfinite_at"], out["iterations"], out["tokens"])
-    return result(model, family, request, out, wall, compile_s)
+    return out, wall
 
 
 class Chunked:
@@ -539,12 +545,7 @@ def run_batch(model, family, batch: Batch) -> list[DecodeResult]:
     whose decode met NaN/Inf logits. On a mesh (a model loaded with `mesh=`) the batch is
     split over its "data" axis and every call is tensor-parallel over "model"."""
     exe, compile_s = compiled_batch(model, family, batch)
-    args = batch_args(model, batch)
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(exe(model.params, *args))
-    wall = time.perf_counter() - t0
-    out = to_host(out)
-    check_finite(out["nonfinite_at"], out["iterations"], out["tokens"])
+    out, wall = execute(model, exe, batch_args(model, batch))
     return [result(model, family, r, jax.tree.map(lambda x: x[i], out), wall, compile_s)
             for i, r in enumerate(batch.requests)]
 
