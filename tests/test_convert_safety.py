@@ -264,8 +264,19 @@ def test_second_signal_during_cleanup(tmp_path, nemotron_dir, monkeypatch):
 
     monkeypatch.setattr(store_mod.Writer, "write", write)
     monkeypatch.setattr(store_mod.Writer, "abort", abort)
-    with pytest.raises(Interrupted, match="SIGINT: nothing was written"):
-        ps.convert(nemotron_dir, tmp_path / "out", dtype="float32", progress=False)
+    # The guard takes over only default dispositions (a handler someone installed stays in
+    # charge): start from those, whatever earlier code in this process installed or blocked.
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGTERM])
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with pytest.raises(Interrupted, match="SIGINT: nothing was written"):
+            ps.convert(nemotron_dir, tmp_path / "out", dtype="float32", progress=False)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     assert list(tmp_path.iterdir()) == []
 
 
