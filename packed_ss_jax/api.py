@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import chat, continuous, engine, families, requests, stops
+from . import chat, continuous, engine, families, requests, sharding, stops
 from .config import ModelConfig
 from .detokenize import Detokenizer
 from .engine import DecodeResult
@@ -210,6 +210,10 @@ def stream(model, prompt: str | Sequence[int] | None = None, *,
         schedule=schedule, order=order, temperature=temperature, top_k=top_k, top_p=top_p,
         cache_size=cache_size, max_new_tokens=max_new_tokens, eos_id=eos_id,
         stop_sequences=stop_sequences)
+    if sharding.mesh_of(model.params) is not None:
+        # The chunk programs are compiled for one device; `decode` runs on meshes.
+        raise InputError("stream() runs on one device; this model is placed on a mesh "
+                         "(load(..., mesh=)): use decode()")
     decoding = engine.Chunked(model, family, request, chunk)
     return _chunks(model, decoding, request.stop_texts)
 

@@ -138,9 +138,15 @@ def _generate(argv: list[str] | None, prog: str) -> int:
     else:
         options["prompt"] = args.ids if args.ids is not None else args.prompt
     schedules = list(family.schedules) if args.schedule == "all" else [args.schedule]
-    # The first schedule prints as it decodes; the others (--schedule all) only add rows.
+    # The first schedule prints as it decodes (on one device; on a mesh once it is done);
+    # the others (--schedule all) only add rows.
     first = None
-    for piece in api.stream(model, schedule=schedules[0], **options):
+    if args.mesh is None:
+        pieces = api.stream(model, schedule=schedules[0], **options)
+    else:
+        r = api.decode(model, schedule=schedules[0], **options)
+        pieces = [api.StreamChunk(r.tokens, r.text, r)]
+    for piece in pieces:
         if piece.text is not None:
             print(piece.text, end="", flush=True)
         elif piece.tokens:

@@ -92,14 +92,15 @@ def _refusals(cases, call, exc, match):
     return wrong
 
 
-BAD_PROMPTS = [None, 7, np.int64(7), b"ab", {1, 2}, {"ids": [1]}, np.ones((2, 2), int),
-               np.array(5), [1, None], [np.float32(1)], [True, 2]]
+# (A 2-D array is a batch of prompts: tests/test_batched.py.)
+BAD_PROMPTS = [None, 7, np.int64(7), b"ab", {1, 2}, {"ids": [1]}, np.array(5), [1, None],
+               [np.float32(1)], [True, 2]]
 
 
 @pytest.mark.parametrize("model", [NEMOTRON, SETDLM], ids=["nemotron", "setdlm"])
 def test_bad_prompt_types(model):
     """Not a sequence of ids (None, a number, bytes that would pass as ids, a set with no
-    order, a dict, a 2-D or 0-d array, non-integer items): one clear TypeError."""
+    order, a dict, a 0-d array, non-integer items): one clear TypeError."""
     wrong = _refusals(BAD_PROMPTS, lambda p: ps.decode(model, p, max_new_tokens=4,
                                                        cache_size=32),
                       TypeError, "prompt must be a string or a sequence of integer token ids")
