@@ -152,11 +152,8 @@ def decode(model, prompt: str | Sequence[int] | None = None, *,
                    top_p=top_p, cache_size=cache_size, max_new_tokens=max_new_tokens,
                    eos_id=eos_id, stop_sequences=stop_sequences)
     if messages is None and is_batch(prompt):
-        model = as_model(model, config)
-        family = families.of(model.config)
-        batch = engine.prepare_batch(model, family, list(prompt), seed=seed,
-                                     width=_width(family, block_size, window), **options)
-        return engine.run_batch(model, family, batch)
+        return engine.run_batch(*_batch(model, config, prompt, seed, block_size, window,
+                                        **options))
     model, family, request = _request(model, config, prompt, messages, chat_template_kwargs,
                                       block_size, window, seed, **options)
     return engine.run(model, family, request)
@@ -175,16 +172,22 @@ def decode_continuous(model, prompts: Sequence, *, slots: int = 8, every: int = 
     prompt, in order, each what that prompt decoded alone gives; `continuous.Stats`,
     with the host round trips' share of wall time). The other arguments are `decode`'s.
     """
-    model = as_model(model, config)
-    family = families.of(model.config)
     slots = requests.integer(slots, "slots", 1)
     every = requests.integer(every, "every", 1)
-    batch = engine.prepare_batch(
-        model, family, list(prompts), seed=seed, schedule=schedule,
-        width=_width(family, block_size, window), order=order, temperature=temperature,
-        top_k=top_k, top_p=top_p, cache_size=cache_size, max_new_tokens=max_new_tokens,
-        eos_id=eos_id, stop_sequences=stop_sequences)
+    model, family, batch = _batch(
+        model, config, prompts, seed, block_size, window, schedule=schedule, order=order,
+        temperature=temperature, top_k=top_k, top_p=top_p, cache_size=cache_size,
+        max_new_tokens=max_new_tokens, eos_id=eos_id, stop_sequences=stop_sequences)
     return continuous.decode_queue(model, family, batch, slots, every)
+
+
+def _batch(model, config, prompts, seed, block_size, window, **options):
+    """(model, family, the checked batch) of a list of prompts (`engine.prepare_batch`)."""
+    model = as_model(model, config)
+    family = families.of(model.config)
+    batch = engine.prepare_batch(model, family, list(prompts), seed=seed,
+                                 width=_width(family, block_size, window), **options)
+    return model, family, batch
 
 
 def stream(model, prompt: str | Sequence[int] | None = None, *,
