@@ -204,9 +204,13 @@ def load_model(args, lora: bool | None = None):
             mesh = make_mesh(**args.mesh)
         except MeshError as e:
             raise UsageError(f"--mesh: {e}") from None
+    # With several processes each shows its loading progress on its own stderr: how many
+    # bytes of weights it read (on a mesh, the slices its own devices hold).
+    several = (args.num_processes or 1) > 1
     return loading.load(args.model, dtype=args.dtype, verify=not args.no_verify,
                         base_config=args.base_config, tokenizer=args.tokenizer,
-                        matmul_precision=args.matmul_precision, lora=lora, mesh=mesh)
+                        matmul_precision=args.matmul_precision, lora=lora, mesh=mesh,
+                        progress=several)
 
 
 def width_args(p: Parser) -> None:

@@ -122,7 +122,12 @@ def load(path: str | Path | None = None, dtype: str = "float32", lora: bool | No
     mesh:  a `jax.sharding.Mesh` with axes ("data", "model") (`sharding.make_mesh`): every
            weight is placed on its shards as it is read (tensor-parallel over "model", see
            sharding.RULES), each device receiving only its slice. Decoding the model then
-           runs on the mesh, batches split over "data".
+           runs on the mesh, batches split over "data". From a Hugging Face directory
+           each process reads, casts and checks only the slices its own devices hold
+           (of safetensors only the file pages holding them; a torch `.bin` storage is
+           read whole), so on a mesh spanning several processes a NaN/Inf is reported by
+           the process that read it. A converted directory is read whole by every
+           process (see `store.restore`), then each places only its devices' slices.
     """
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; expected one of {DTYPES}")

@@ -112,16 +112,61 @@ def param_shardings(c: ModelConfig, mesh: Mesh, params) -> Any:
     return jax.tree_util.tree_map_with_path(one, params)
 
 
-def placer(c: ModelConfig, mesh: Mesh):
-    """`place(host_array, path)` for the checkpoint readers: the weight goes straight onto
-    its shards, each device receiving only its slice of the host array (no device ever
-    holds the whole of a split weight)."""
-    def place(host, path):
-        sharding = NamedSharding(mesh, param_spec(c, mesh, tuple(path), host.ndim))
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+def local_slices(sharding: jax.sharding.Sharding, shape) -> list[tuple[slice, ...]]:
+    """The distinct slices of an array of `shape` that this process's devices hold under
+    `sharding`, each once (replicas share one), in device order. On a mesh spanning
+    several processes this is the part of a weight the process has to read."""
+    shape = tuple(shape)
+    distinct: dict = {}
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        # Slices are not hashable before Python 3.12: key them by (start, stop, step).
+        key = tuple(s.indices(n) for s, n in zip(index, shape))
+        distinct.setdefault(key, tuple(slice(*k) for k in key))
+    return list(distinct.values())
 
-    place.with_path = True  # see checkpoints.assemble.read
-    return place
+
+class Placer:
+    """`place` for the checkpoint readers: each weight goes straight onto its shards, no
+    device ever holding the whole of a split weight.
+
+    `placer(host, path)` places a whole host array (each device receives its slice);
+    `placer.lazy(shape, path, read)` places a weight read slice by slice, calling
+    `read(index)` once for each distinct slice this process's devices hold
+    (`local_slices`), so a process never reads the slices only other processes hold.
+    """
+
+    with_path = True  # see checkpoints.assemble.read
+
+    def __init__(self, c: ModelConfig, mesh: Mesh):
+        self.config, self.mesh = c, mesh
+
+    def sharding(self, path, ndim: int) -> NamedSharding:
+        return NamedSharding(self.mesh, param_spec(self.config, self.mesh, tuple(path), ndim))
+
+    def slices(self, shape, path) -> list[tuple[slice, ...]]:
+        """The distinct slices of the weight at `path` this process's devices hold."""
+        return local_slices(self.sharding(path, len(shape)), shape)
+
+    def __call__(self, host, path):
+        return jax.make_array_from_callback(host.shape, self.sharding(path, host.ndim),
+                                            lambda index: host[index])
+
+    def lazy(self, shape, path, read):
+        shape = tuple(shape)
+        parts: dict = {}
+
+        def part(index):
+            key = tuple(s.indices(n) for s, n in zip(index, shape))
+            if key not in parts:  # replicas of a slice are read once
+                parts[key] = read(tuple(slice(*k) for k in key))
+            return parts[key]
+
+        return jax.make_array_from_callback(shape, self.sharding(path, len(shape)), part)
+
+
+def placer(c: ModelConfig, mesh: Mesh) -> Placer:
+    """The `place` of the checkpoint readers for `mesh` (see `Placer`)."""
+    return Placer(c, mesh)
 
 
 def cache_spec(c: ModelConfig, mesh: Mesh, batch: int) -> PartitionSpec:

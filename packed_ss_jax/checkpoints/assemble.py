@@ -142,9 +142,21 @@ def count_non_finite(a: np.ndarray) -> int:
     return int(a.size - np.count_nonzero(np.isfinite(a)))
 
 
-def _non_finite_report(name: str, a: np.ndarray, count: int) -> str:
-    nan = int(np.count_nonzero(np.isnan(a)))
-    return f"{name}: {count} of {a.size} values ({nan} NaN, {count - nan} Inf)"
+class _NonFinite:
+    """NaN/Inf found in a tensor, summed over the slices of it that were read."""
+
+    def __init__(self):
+        self.count = self.nan = self.size = 0
+
+    def check(self, a: np.ndarray):
+        self.size += a.size
+        if bad := count_non_finite(a):
+            self.count += bad
+            self.nan += int(np.count_nonzero(np.isnan(a)))
+
+    def report(self, name: str, where: str = "") -> str:
+        return (f"{name}: {self.count} of {self.size} values{where} ({self.nan} NaN, "
+                f"{self.count - self.nan} Inf)")
 
 
 def _size(n: float) -> str:
@@ -158,9 +170,10 @@ class Progress:
     disabled. Redrawn at most every `every` seconds, and once more at the end."""
 
     def __init__(self, total: int, label: str, enabled: bool, total_bytes: int = 0,
-                 every: float = 0.2, noun: str = "tensors"):
+                 every: float = 0.2, noun: str = "tensors", note: str = ""):
         self.total, self.label, self.enabled = total, label, enabled
         self.total_bytes, self.every, self.noun = total_bytes, every, noun
+        self.note = note  # appended to the last line
         self.done = self.bytes = 0
         self.start = self.shown = time.monotonic()
 
@@ -196,7 +209,7 @@ class Progress:
         else:
             pct = 100.0 * self.done / max(self.total, 1)
             line += f" ({pct:5.1f}%) {elapsed:6.1f}s"
-        sys.stderr.write(line + ("\n" if last else ""))
+        sys.stderr.write(line + (f"{self.note}\n" if last else ""))
         sys.stderr.flush()
 
 
@@ -272,30 +285,81 @@ def host_array(a: np.ndarray, transpose: bool, dtype) -> np.ndarray:
     return out
 
 
+def slice_shape(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of `array[index]` for an array of `shape` and a tuple of slices."""
+    return tuple(len(range(*s.indices(n))) for s, n in zip(index, shape))
+
+
 def read(reads: list[Read], source: Source, dtype, place: Callable | None = None,
          label: str = "converting", progress: bool = False) -> dict:
     """Reads `reads` one tensor at a time into a params tree (decoding layout), each
     array cast to `dtype`, checked for NaN/Inf after the cast (so a float32 value too
-    large for bfloat16 counts too) and passed through `place` when given."""
+    large for bfloat16 counts too) and passed through `place` when given.
+
+    A placer that reads lazily (`sharding.Placer`, on a device mesh) gets each tensor
+    slice by slice: only the distinct slices this process's devices hold are read from
+    the stored tensor, transposed, cast and checked, so on a mesh spanning several
+    processes each reads only its own shards: from safetensors only the file pages that
+    hold them (`get_slice`); a torch `.bin` storage is still read whole, since zipfile
+    checks its CRC over the whole entry, and only sliced in memory. NaN/Inf are then
+    reported for the slices this process read, and the progress line ends with how many
+    bytes of the weights (in `dtype`) that was."""
     dtype = np.dtype(dtype)
-    bar = Progress(len(reads), label, progress,
-                   total_bytes=sum(math.prod(r.shape) * dtype.itemsize for r in reads))
+    lazy = getattr(place, "lazy", None)
+
+    def elements(r: Read) -> int:  # what this process reads of the tensor
+        if lazy is None:
+            return math.prod(r.shape)
+        return sum(math.prod(slice_shape(i, r.shape)) for i in place.slices(r.shape, r.path))
+
+    share = {r.name: elements(r) for r in reads}
+    local = sum(share.values()) * dtype.itemsize
+    whole_bytes = sum(math.prod(r.shape) for r in reads) * dtype.itemsize
+    note = (f" (this process read the slices its devices hold: {local} of {whole_bytes} "
+            "bytes)" if local < whole_bytes else "")
+    bar = Progress(len(reads), label, progress, total_bytes=local, note=note)
     params: dict = {}
     non_finite = []
     for r in reads:
-        a = np.asarray(source.get(r.name))
-        host = host_array(a, r.transpose, dtype)
-        del a  # a memory-mapped view: unmapped here
-        assert host.shape == r.shape, (r.name, host.shape, r.shape)
-        if bad := count_non_finite(host):
-            non_finite.append(_non_finite_report(r.name, host, bad))
-        if place is not None:
-            # A placer that takes the param's path (sharding.placer) puts each slice on
-            # its own device.
-            host = place(host, r.path) if getattr(place, "with_path", False) else place(host)
+        found = _NonFinite()
+        if lazy is None:
+            a = np.asarray(source.get(r.name))
+            host = host_array(a, r.transpose, dtype)
+            del a  # a memory-mapped view: unmapped here
+            assert host.shape == r.shape, (r.name, host.shape, r.shape)
+            found.check(host)
+            if place is not None:
+                # A placer that takes the param's path (sharding.placer) puts each slice
+                # on its own device.
+                host = place(host, r.path) if getattr(place, "with_path", False) else place(host)
+        else:
+            # When this process reads part of the checkpoint, every tensor is read slice
+            # by slice (only their pages, see SafetensorsDir.get_slice), even one it
+            # holds whole: a fault in a memory mapping also reads the pages around it
+            # (the device's read-ahead, megabytes), the neighbouring tensors' slices of
+            # other processes. Otherwise, or from a source that reads whole tensors
+            # anyway (a torch .bin), the tensor is read once and sliced in memory.
+            by_slice = local < whole_bytes and hasattr(source, "get_slice")
+            whole = None if by_slice else np.asarray(source.get(r.name))
+
+            def part(index, r=r, whole=whole, found=found):
+                # `index` is in the params layout; a transposed tensor is stored the
+                # other way round, so it is sliced with the index reversed.
+                stored = index[::-1] if r.transpose else index
+                a = whole[stored] if whole is not None else source.get_slice(r.name, stored)
+                out = host_array(a, r.transpose, dtype)
+                assert out.shape == slice_shape(index, r.shape), (r.name, index, out.shape)
+                found.check(out)
+                return out
+
+            host = lazy(r.shape, r.path, part)
+            del whole, part
+        if found.count:
+            sliced = share[r.name] < math.prod(r.shape)
+            non_finite.append(found.report(r.name, " read by this process" if sliced else ""))
         _set_path(params, r.path, host)
         del host
-        bar.step(nbytes=math.prod(r.shape) * dtype.itemsize)
+        bar.step(nbytes=share[r.name] * dtype.itemsize)
     if non_finite:
         raise CheckpointError(f"non-finite weights (NaN/Inf) in {len(non_finite)} tensor(s):\n  "
                               + "\n  ".join(non_finite))

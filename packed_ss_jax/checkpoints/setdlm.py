@@ -9,6 +9,7 @@ safetensors copy stores an identical duplicate, and a checkpoint may omit it.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import numpy as np
 
 from .. import model as model_lib
 from ..config import ModelConfig
-from .assemble import Entry, assemble, decoder_table
+from .assemble import Entry, assemble, decoder_table, slice_shape
 from .errors import CheckpointError
 from .safetensors_io import INDEX, SINGLE, SafetensorsDir
 from .torch_bin import TorchBin
@@ -84,6 +85,20 @@ def _np_dtype(c: ModelConfig):
     return ml_dtypes.bfloat16 if c.dtype == "bfloat16" else np.float32
 
 
+def _same_rows(src, c: ModelConfig, place) -> bool:
+    """Whether the stored head equals the embedding: on a mesh (a placer that reads
+    lazily, see assemble.read) in the rows of the embedding this process's devices hold,
+    so that no process reads more of either than it loads; every row is some process's."""
+    shape = tuple(src.shape(EMBED))
+    slices = ([] if getattr(place, "lazy", None) is None or not hasattr(src, "get_slice")
+              or shape != (c.vocab_size, c.hidden_size) else place.slices(shape, ("embed",)))
+    if slices and sum(math.prod(slice_shape(i, shape)) for i in slices) < math.prod(shape):
+        # The embedding is stored as loaded ([vocab, hidden]): its slices index the file.
+        return all(np.array_equal(src.get_slice(HEAD, i), src.get_slice(EMBED, i))
+                   for i in slices)
+    return np.array_equal(src.get(HEAD), src.get(EMBED))
+
+
 def read(path: str | Path, c: ModelConfig, progress: bool = False, place=None) -> dict:
     """Reads the weights into a params tree in the decoding layout, one tensor at a time
     (`place`: see `assemble`), checking the tied head when it is stored."""
@@ -93,7 +108,7 @@ def read(path: str | Path, c: ModelConfig, progress: bool = False, place=None) -
     if tied_head and not (isinstance(src, TorchBin) and src.shares_storage(HEAD, EMBED)):
         # A stored copy must really be the embedding, or the head we use would be wrong.
         if EMBED in names and (src.shape(HEAD) != src.shape(EMBED)
-                               or not np.array_equal(src.get(HEAD), src.get(EMBED))):
+                               or not _same_rows(src, c, place)):
             raise CheckpointError(f"{HEAD} differs from {EMBED}, but the config ties them "
                                   "(tie_word_embeddings)")
     return assemble(table(c), model_lib.abstract_params(c), c.num_layers, src, _np_dtype(c),

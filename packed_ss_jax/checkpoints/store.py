@@ -392,6 +392,13 @@ def restore(path: str | Path, config: ModelConfig, verify: bool = True, progress
     conversion; every mismatch is named. The hashing costs about 0.6 s per GiB per core
     here and runs while the next layer is read; `verify=False` skips it. Version-1
     directories have no checksums: they are checked for NaN/Inf instead.
+
+    On a device mesh (`place` a `sharding.Placer`) only the slices this process's devices
+    hold are cast and placed, but every process still reads (and, verifying, hashes)
+    every whole array: params/ stores each array as one chunk, which orbax (tensorstore)
+    reads whole whatever slice is asked for, and the recorded checksums are of whole
+    arrays. Reading only a process's own shards takes a Hugging Face safetensors
+    directory (see checkpoints.assemble.read).
     """
     place = jax.device_put if place is None else place
     path = Path(path).absolute()
@@ -480,9 +487,18 @@ def _place(params: dict, name: str, a: np.ndarray, target, place):
     node = params
     for k in keys[:-1]:
         node = node.setdefault(k, {})
-    a = a if a.dtype == target else a.astype(target)
+    if getattr(place, "lazy", None) is not None:
+        # On a mesh only the slices this process's devices hold are cast and placed (the
+        # array itself was read whole: see `restore`).
+        node[keys[-1]] = place.lazy(a.shape, keys, lambda index: _cast(a[index], target))
+        return
+    a = _cast(a, target)
     # A placer that shards (`sharding.placer`) needs the weight's path to pick its shards.
     node[keys[-1]] = place(a, keys) if getattr(place, "with_path", False) else place(a)
+
+
+def _cast(a: np.ndarray, target) -> np.ndarray:
+    return a if a.dtype == target else a.astype(target)
 
 
 def _raise_unreadable(params_dir: Path, as_stored, found_tree, error: Exception):
