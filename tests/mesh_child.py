@@ -1,6 +1,7 @@
 """Run by test_mesh.py in its own process, with 8 simulated CPU devices
 (XLA_FLAGS=--xla_force_host_platform_device_count=8 set before JAX starts): decodes a
-checkpoint on one device and on meshes of those devices; prints one JSON line.
+checkpoint on one device and on meshes of those devices (each weight read slice by
+slice onto its shards, see checkpoints.assemble.read); prints one JSON line.
 
     python tests/mesh_child.py CHECKPOINT|embedded
 """
@@ -9,6 +10,7 @@ import json
 import sys
 
 import jax
+import numpy as np
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -31,11 +33,16 @@ def main(path: str) -> dict:
     out["one"] = [r.tokens for r in ps.decode(one, prompts, **kw)]
     out["one_sampled"] = [r.tokens for r in ps.decode(one, prompts, temperature=1.0,
                                                       seed=list(range(8)), **kw)]
-    out["meshes"], out["sharded"] = {}, {}
+    out["meshes"], out["sharded"], out["params_differ"] = {}, {}, {}
     for data, model in MESHES:
         mesh = sharding.make_mesh(data, model)
         m = ps.load(path, mesh=mesh)
         name = f"{data}x{model}"
+        # The params gathered from their shards are those of one device, bit for bit.
+        pairs = zip(jax.tree_util.tree_leaves_with_path(one.params), jax.tree.leaves(m.params))
+        out["params_differ"][name] = [
+            jax.tree_util.keystr(k) for (k, a), b in pairs
+            if a.dtype != b.dtype or not np.array_equal(np.asarray(a), np.asarray(b))]
         out["meshes"][name] = [r.tokens for r in ps.decode(m, prompts, **kw)]
         if model > 1:
             # From the compiled program: where the q projection of layer 0 is expected.

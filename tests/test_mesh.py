@@ -37,6 +37,9 @@ def _child(checkpoint: str) -> dict:
 
 def _check(r: dict, kv_replicated_at: set) -> None:
     assert r["devices"] == 8
+    # Loaded on each mesh, slice by slice: the params of one device, bit for bit.
+    assert set(r["params_differ"]) == {n for n in r["meshes"] if "_" not in n}
+    assert not any(r["params_differ"].values()), r["params_differ"]
     for name, tokens in r["meshes"].items():
         if name.endswith("_sampled"):
             assert tokens == r["one_sampled"], name

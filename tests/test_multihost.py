@@ -1,9 +1,11 @@
-"""One decode over two processes (2 x 4 simulated CPU devices, gloo collectives, a
-data=2 x model=4 mesh): each process runs `packed-ss generate` with its own
---process-id and gets the tokens one process gets. Bounded in time; both processes are
-killed at the end whatever happens."""
+"""One decode over two processes (2 x 2 simulated CPU devices, gloo collectives, a
+data=1 x model=4 mesh, so the tensor-parallel axis spans the processes): each process
+runs `packed-ss generate` with its own --process-id, reads only the slices of the
+weights its own devices hold, and gets the tokens one process gets. Bounded in time;
+both processes are killed at the end whatever happens."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -23,15 +25,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_give_one_process_tokens(nemotron_dir):
+# The progress line each process prints once its weights are read (checkpoints.assemble).
+READ = re.compile(r"this process read the slices its devices hold: (\d+) of (\d+) bytes")
+
+
+def test_two_processes_read_their_own_slices_and_give_one_process_tokens(nemotron_dir):
     want = ps.decode(ps.load(nemotron_dir), IDS, schedule="packed", max_new_tokens=12,
                      eos_id=None).tokens
     port = _free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                JAX_PLATFORMS="cpu", PACKED_SS_COMPILE_CACHE="off", PYTHONPATH=str(ROOT))
     argv = [sys.executable, "-m", "packed_ss_jax", "generate", "--model", str(nemotron_dir),
             "--ids", ",".join(map(str, IDS)), "--schedule", "packed", "--max-new-tokens", "12",
-            "--no-eos", "--mesh", "data=2,model=4", "--coordinator", f"127.0.0.1:{port}",
+            "--no-eos", "--mesh", "data=1,model=4", "--coordinator", f"127.0.0.1:{port}",
             "--num-processes", "2"]
     procs = []
     try:
@@ -52,3 +58,11 @@ def test_two_processes_give_one_process_tokens(nemotron_dir):
         line = next(x for x in out.splitlines() if x.split() and all(
             t.isdigit() for t in x.split()))
         assert [int(t) for t in line.split()] == want
+    # Weights and adapter: each process read its two of the four slices of every split
+    # tensor and the whole of the replicated ones (norms, the 2 KV heads), never all.
+    reads = [[tuple(map(int, m)) for m in READ.findall(err)] for _, err in outs]
+    for r in reads:
+        assert len(r) == 2, outs
+        read, whole = map(sum, zip(*r))
+        assert whole // 2 <= read < whole, r
+    assert reads[0] == reads[1]
