@@ -3,13 +3,15 @@
 
 The arithmetic task's first `--prompts` prompts, N slots: static batches of N
 consecutive prompts, each run until its last sequence stops (bench.harness.run with
-`batch_size=N`), against one queue keeping N slots busy, refilled every k iterations
-(`decode_continuous`). Both give every prompt's own tokens (checked here); compilation is
-excluded from both. Reported: throughput, the ratio, and the share of wall time the host
-round trips take (outside the device programs) for each k.
+`batch_size=N, batching="static"`), against one queue keeping N slots busy
+(`decode_continuous`): the loop hands control back as soon as a sequence stops, or after
+k iterations at most, and one call starts the next prompts in the stopped slots. Both
+give every prompt's own tokens (checked here); compilation is excluded from both.
+Reported: throughput, the ratio, the batched loop iterations, the refill calls, the host
+round trips and the share of wall time they take (outside the device programs) for each k.
 
     python -m benchmarks.continuous_batching                   # 200 prompts, N=8, AR
-    python -m benchmarks.continuous_batching --schedule packed --every 4,8,16
+    python -m benchmarks.continuous_batching --schedule packed --every 8,64
 """
 
 from __future__ import annotations
@@ -28,47 +30,59 @@ def main(argv=None) -> int:
     p.add_argument("--schedule", default="ar")
     p.add_argument("--prompts", type=int, default=200)
     p.add_argument("--slots", type=int, default=8)
-    p.add_argument("--every", default="4,8,16", help="refill intervals k to measure")
+    p.add_argument("--every", default="8,64",
+                   help="the most loop iterations between host round trips, k, to measure")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--capacity", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3, help="keep the fastest of this many")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
 
     model = ps.load()
     prompts = tasks.load("arithmetic", None, args.prompts)
     s, N = args.schedule, args.slots
-    d = harness.run(model, prompts, [s], {s: args.block_size}, capacity=args.capacity,
-                    max_new_tokens=args.max_new_tokens, split=None, progress=False,
-                    batch_size=N)[s]
+    # Both ways keep their fastest whole pass over the queue.
+    d = min((harness.run(model, prompts, [s], {s: args.block_size}, capacity=args.capacity,
+                         max_new_tokens=args.max_new_tokens, split=None, progress=False,
+                         batch_size=N, batching="static")[s] for _ in range(args.repeats)),
+            key=lambda d: sum(d["wall_s"]))
     tokens, static_wall = sum(d["tokens"]), sum(d["wall_s"])
     rows = [dict(mode="static", slots=N, every=None, tokens=tokens, wall_s=static_wall,
                  throughput_tok_s=tokens / static_wall, ratio_to_static=1.0,
-                 host_fraction=None)]
+                 forward_calls=round(sum(d["calls"])), host_fraction=None)]
     width = {} if s == "ar" else {"block_size": args.block_size}
     for k in (int(x) for x in args.every.split(",")):
         kw = dict(schedule=s, max_new_tokens=args.max_new_tokens, cache_size=args.capacity,
                   seed=list(range(len(prompts))), **width)
         ps.decode_continuous(model, [q.text for q in prompts[:N + 1]], slots=N, every=k,
                              **dict(kw, seed=list(range(N + 1))))  # compile, warm up
-        results, st = ps.decode_continuous(model, [q.text for q in prompts], slots=N,
-                                           every=k, **kw)
+        results, st = min((ps.decode_continuous(model, [q.text for q in prompts], slots=N,
+                                                every=k, **kw) for _ in range(args.repeats)),
+                          key=lambda x: x[1].wall_s)
         got = [len(r.tokens) for r in results]
         assert got == d["tokens"], "continuous batching changed some prompt's output"
         rows.append(dict(mode="continuous", slots=N, every=k, tokens=sum(got),
                          wall_s=st.wall_s, throughput_tok_s=sum(got) / st.wall_s,
                          ratio_to_static=static_wall / st.wall_s,
-                         host_fraction=st.host_fraction, round_trips=st.round_trips))
-    print(f"{s}, {len(prompts)} prompts, {N} slots, max_new_tokens {args.max_new_tokens}")
-    print("| mode | k | tokens | wall (s) | throughput (tok/s) | vs static | host round trips |")
-    print("|---|---|---|---|---|---|---|")
+                         forward_calls=st.forward_calls, steps=st.steps,
+                         refill_calls=st.refill_calls, round_trips=st.round_trips,
+                         host_fraction=st.host_fraction))
+    print(f"{s}, {len(prompts)} prompts, {N} slots, max_new_tokens {args.max_new_tokens}, "
+          f"fastest of {args.repeats}")
+    print("| mode | k | tokens | wall (s) | throughput (tok/s) | vs static | batched calls "
+          "| refill calls | round trips | host share |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         host = "-" if r["host_fraction"] is None else f"{100 * r['host_fraction']:.1f}%"
         print(f"| {r['mode']} | {r['every'] or '-'} | {r['tokens']} | {r['wall_s']:.2f} | "
-              f"{r['throughput_tok_s']:.1f} | {r['ratio_to_static']:.2f}x | {host} |")
+              f"{r['throughput_tok_s']:.1f} | {r['ratio_to_static']:.2f}x | "
+              f"{r['forward_calls']} | {r.get('refill_calls', '-')} | "
+              f"{r.get('round_trips', '-')} | {host} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"schedule": s, "prompts": len(prompts),
-                                               "rows": rows}, indent=1) + "\n")
+                                               "repeats": args.repeats, "rows": rows},
+                                              indent=1) + "\n")
     return 0
 
 

@@ -159,7 +159,7 @@ def decode(model, prompt: str | Sequence[int] | None = None, *,
     return engine.run(model, family, request)
 
 
-def decode_continuous(model, prompts: Sequence, *, slots: int = 8, every: int = 8,
+def decode_continuous(model, prompts: Sequence, *, slots: int = 8, every: int = 64,
                       config: ModelConfig | None = None, schedule: str = "packed",
                       block_size: int | None = None, window: int | None = None,
                       max_new_tokens: int = 128, eos_id: int | None = -1,
@@ -167,8 +167,9 @@ def decode_continuous(model, prompts: Sequence, *, slots: int = 8, every: int = 
                       top_p: float | None = None, seed=0, cache_size: int | None = None,
                       order: str = "ltr", stop_sequences: Sequence = ()):
     """Decodes a long list of prompts keeping `slots` sequences busy (continuous
-    batching, see continuous.py): every `every` loop iterations the host refills the
-    slots whose sequence stopped with the next prompts. Returns (one DecodeResult per
+    batching, see continuous.py): as soon as sequences stop, the host refills their
+    slots with the next prompts, in one call (the loop reports back at least every
+    `every` iterations). Returns (one DecodeResult per
     prompt, in order, each what that prompt decoded alone gives; `continuous.Stats`,
     with the host round trips' share of wall time). The other arguments are `decode`'s.
     """

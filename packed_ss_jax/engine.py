@@ -89,13 +89,18 @@ class Batch:
     def args(self):
         """The batched program's arguments after params: padded prompts [N, bucket], their
         lengths [N], the limits stacked on a leading N axis, the seeds [N]."""
+        return jax.tree.map(jnp.asarray, self.host_args())
+
+    def host_args(self):
+        """`args` as numpy arrays (rows of them are the arguments of a sub-batch)."""
         rs = self.requests
         padded = np.zeros((len(rs), self.program.bucket), np.int32)
         for i, r in enumerate(rs):
             padded[i, : len(r.prompt)] = r.prompt
-        limits = jax.tree.map(lambda *x: jnp.asarray(np.stack(x)), *[r.limits for r in rs])
-        return (jnp.asarray(padded), jnp.asarray([len(r.prompt) for r in rs], jnp.int32),
-                limits, jnp.asarray([r.seed for r in rs], jnp.uint32))
+        limits = jax.tree.map(lambda *x: np.stack([np.asarray(a) for a in x]),
+                              *[r.limits for r in rs])
+        return (padded, np.asarray([len(r.prompt) for r in rs], np.int32), limits,
+                np.asarray([r.seed for r in rs], np.uint32))
 
 
 @dataclasses.dataclass

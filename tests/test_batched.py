@@ -110,9 +110,10 @@ def test_one_seed_for_every_prompt_and_checked_arguments():
         ps.engine.prepare_batch(m, families.of(m.config), [], schedule="packed")
 
 
-def test_bench_static_batches_give_each_prompts_tokens():
-    """`bench --batch-size`: prompts decoded in static batches give the tokens and NFE
-    they give one at a time, and the batch size is reported."""
+def test_bench_batches_give_each_prompts_tokens():
+    """`bench --batch-size`: prompts decoded in static batches, and in a continuous queue
+    of slots, give the tokens and NFE they give one at a time; the batch size, the way of
+    batching and each response's share of the batched forward calls are reported."""
     from packed_ss_jax.bench import harness, tasks
 
     model = ps.load()  # the embedded model: the task prompts need its tokenizer
@@ -121,41 +122,55 @@ def test_bench_static_batches_give_each_prompts_tokens():
     # tests/test_benchmarks.py's single-prompt program (capacity, width).
     kw = dict(capacity=256, max_new_tokens=12, split=None, progress=False)
     one = harness.run(model, prompts, ["packed"], {"packed": 4}, **kw)["packed"]
-    two = harness.run(model, prompts, ["packed"], {"packed": 4}, batch_size=2, **kw)["packed"]
+    two = harness.run(model, prompts, ["packed"], {"packed": 4}, batch_size=2,
+                      batching="static", **kw)["packed"]
     assert two["tokens"] == one["tokens"] and two["nfe"] == one["nfe"]
     assert sum(two["calls"]) == sum(max(two["nfe"][i:i + 2]) for i in (0, 2))
-    summary = harness.summarize("fixture", "arithmetic", {"packed": two}, {"packed": 4}, 4,
-                                resamples=10, batch_size=2)
-    assert summary["batch_size"] == 2
-    assert "| packed | 4 | 2 | - |" in harness.markdown(summary)
+    queue = harness.run(model, prompts, ["packed"], {"packed": 4}, batch_size=2,
+                        **kw)["packed"]
+    assert queue["tokens"] == one["tokens"] and queue["nfe"] == one["nfe"]
+    # Two slots: every batched call serves one or two sequences.
+    assert sum(one["nfe"]) / 2 <= sum(queue["calls"]) <= sum(one["nfe"])
+    for per, way in ((two, "static"), (queue, "continuous")):
+        summary = harness.summarize("fixture", "arithmetic", {"packed": per}, {"packed": 4},
+                                    4, resamples=10, batch_size=2, batching=way)
+        assert summary["batch_size"] == 2 and summary["batching"] == way
+        assert f"| packed | 4 | 2 {way} | - |" in harness.markdown(summary)
     with pytest.raises(ValueError, match="batch_size"):
         harness.run(model, prompts, ["packed"], {"packed": 4}, batch_size=0, **kw)
+    with pytest.raises(ValueError, match="batching"):
+        harness.run(model, prompts, ["packed"], {"packed": 4}, batching="dynamic", **kw)
 
 
 @pytest.mark.parametrize("family,temperature", [("nemotron", 1.0), ("setdlm", 0.0)])
 def test_continuous_batching_gives_each_prompts_tokens(family, temperature):
-    """Seven prompts through three slots, refilled every two iterations: each result is
-    the prompt decoded alone; the loop program writes the cache in place (its state is
-    donated, so the refills write into the same buffers)."""
+    """Nine prompts through four slots: each result is the prompt decoded alone. The
+    first three are one prompt with one seed, so they stop together and one refill call
+    starts three prompts (padded to four entries, one of which names no slot); the loop
+    also hands control back every two iterations. The loop program writes the cache in
+    place (its state is donated, so the refills write into the same buffers)."""
     from hlo import body_results, loop_state, rebuilt
     from packed_ss_jax import engine
 
     setup = SETUPS[family]
     m = setup["model"]()
-    prompts = setup["prompts"] + [[3, 4], [5, 5, 5], [8]]
-    seeds = list(range(20, 27))
+    prompts = setup["prompts"][:1] * 3 + setup["prompts"][1:] + [[3, 4], [5, 5, 5], [8]]
+    seeds = [20] * 3 + list(range(21, 27))
     kw = dict(schedule="packed", max_new_tokens=MAX_NEW, temperature=temperature,
               **setup["options"])
-    results, stats = ps.decode_continuous(m, prompts, slots=3, every=2, seed=seeds, **kw)
-    assert stats.refills == 4 and stats.round_trips > 1 and 0 <= stats.host_fraction < 1
+    results, stats = ps.decode_continuous(m, prompts, slots=4, every=2, seed=seeds, **kw)
+    assert stats.refills == 5 and stats.refill_calls < stats.refills
+    assert any(k[2:6] == ("queue", 4, "refill", 4) for k in engine._compiled)  # padded
+    assert stats.round_trips > 1 and 0 <= stats.host_fraction < 1
+    assert stats.steps >= max(r.iterations for r in results) - 1
     for p, s, b in zip(prompts, seeds, results):
         _same(ps.decode(m, p, seed=s, **kw), b)
     c = m.config
     (exe,) = [e for k, e in engine._compiled.items()
-              if k[0] == m.key and k[2:] == ("queue", 3, "resume")
+              if k[0] == m.key and k[2:] == ("queue", 4, "resume")
               and k[1].sampler.temperature == temperature and k[1].schedule == "packed"]
     slots = {"nemotron": 96 + 4, "setdlm": 64 + 2 * 3 + 2}[family]
-    shape = (3, c.num_kv_heads, slots, c.head_dim)
+    shape = (4, c.num_kv_heads, slots, c.head_dim)
     hlo = exe.as_text()
     assert loop_state(hlo).count(("f32", shape)) == 2 * c.num_layers
     assert not rebuilt(body_results(hlo), shape)

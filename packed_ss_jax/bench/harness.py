@@ -73,6 +73,7 @@ def parse_probe(spec: str, minimum: int = 2) -> list[int]:
 
 
 SPLITS = ("null", "doubled")
+BATCHING = ("continuous", "static")
 
 
 def sample_seed(seed: int, prompt: int, sample: int, samples: int) -> int:
@@ -100,7 +101,7 @@ def batches(prompts, size: int, samples: int = 1) -> list[list[int]]:
 
 def run(model, prompts, schedules, widths, *, capacity: int, temperature=0.0, seed=0,
         max_new_tokens=None, repeats=1, split="null", order="ltr", samples=1,
-        progress=True, batch_size=1) -> dict:
+        progress=True, batch_size=1, batching="continuous") -> dict:
     """Per schedule, per prompt: tokens, wall, NFE, model time, correctness.
 
     With `samples` > 1 every prompt is answered that many times per schedule, sample j of
@@ -116,11 +117,14 @@ def run(model, prompts, schedules, widths, *, capacity: int, temperature=0.0, se
     scaled to the real iteration count, is the non-model work) or by one that does every
     forward pass twice (`split="doubled"`: the extra wall time is the model's).
 
-    With `batch_size` N > 1, consecutive responses are decoded N at a time (`batches`),
-    each batch one program run until its last sequence stops; every response keeps its
-    own seed, so its tokens are those decoded alone. A batch's wall time (and model time)
-    is shared equally by its responses, so sums over prompts are totals; `calls` is each
-    response's share of the batch's forward calls (the most NFE in the batch).
+    With `batch_size` N > 1 the responses are decoded N at a time, every response with
+    its own seed, so its tokens are those decoded alone. `batching="continuous"` (the
+    default) keeps N slots busy over the queue, refilling a slot as soon as its sequence
+    stops (`api.decode_continuous`); `"static"` decodes consecutive groups of N
+    (`batches`), each one program run until its last sequence stops. The wall time (and
+    model time) of a batch or queue is shared equally by its responses, so sums over
+    prompts are totals; `calls` is each response's share of its batch's or queue's
+    batched forward calls.
     """
     if not prompts:
         raise ValueError("no prompts to run")
@@ -128,6 +132,9 @@ def run(model, prompts, schedules, widths, *, capacity: int, temperature=0.0, se
                         ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if batching not in BATCHING:
+        raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
+    queue = batch_size > 1 and batching == "continuous"
     per = {s: {"tokens": [], "wall_s": [], "nfe": [], "iterations": [], "model_s": [],
                "calls": [], "correct": [], "max_rows": [], "hist": None} for s in schedules}
     if split is not None and split not in SPLITS:
@@ -139,7 +146,8 @@ def run(model, prompts, schedules, widths, *, capacity: int, temperature=0.0, se
     def width(s):
         return widths[s] or model.config.block_size
 
-    def one(s, group, m=model) -> list:
+    def one(s, group, m=model) -> tuple[list, int, int]:
+        """The group's results, the batched forward calls and loop iterations they took."""
         p = prompts[group[0] // samples]
         kw = dict(schedule=s, **{family.width_name: width(s)},
                   order=family.orders[0] if s in family.orderless else order,
@@ -148,17 +156,25 @@ def run(model, prompts, schedules, widths, *, capacity: int, temperature=0.0, se
                   cache_size=capacity)
         seeds = [sample_seed(seed, r // samples, r % samples, samples) for r in group]
         if batch_size == 1:
-            return [api.decode(m, p.source, seed=seeds[0], **kw)]
-        return api.decode(m, [prompts[r // samples].source for r in group], seed=seeds, **kw)
+            r = api.decode(m, p.source, seed=seeds[0], **kw)
+            return [r], r.nfe, r.iterations
+        sources = [prompts[r // samples].source for r in group]
+        if queue:
+            rs, st = api.decode_continuous(m, sources, slots=batch_size, seed=seeds, **kw)
+            return rs, st.forward_calls, st.steps
+        rs = api.decode(m, sources, seed=seeds, **kw)
+        return rs, max(r.nfe for r in rs), max(r.iterations for r in rs)
 
     def rows_per_call(s, r):
         if r.max_rows is not None:  # SetDLM: the decode counts its rows
             return r.max_rows
         return accounting.adapter_rows(s, width(s), False)["max_rows_per_call"]
 
-    groups = batches(prompts, batch_size, samples)
+    # A queue holds every response with the same output cap and EOS rule.
+    groups = batches(prompts, len(prompts) * samples if queue else batch_size, samples)
     for s in schedules:  # warm-up: compile, and run once, outside the measurements
         for group in {len(g): g for g in groups}.values():  # every batch size used
+            group = group[:batch_size + 1] if queue else group  # a queue: a short one
             one(s, group)
             if split:
                 one(s, group, other)
@@ -177,17 +193,14 @@ def run(model, prompts, schedules, widths, *, capacity: int, temperature=0.0, se
                     replaced[s].append(one(s, group, other))
         n = len(group)
         for s in schedules:
-            rs = min(runs[s], key=lambda x: x[0].wall_s)
-            wall = rs[0].wall_s  # the batch's
+            rs, calls, it_r = min(runs[s], key=lambda x: x[0][0].wall_s)
+            wall = rs[0].wall_s  # the batch's (the queue's)
             if split:
-                o = min(replaced[s], key=lambda x: x[0].wall_s)
+                o, _, it_o = min(replaced[s], key=lambda x: x[0][0].wall_s)
                 if split == "null":
-                    it_r = max(r.iterations for r in rs)
-                    it_o = max(r.iterations for r in o)
                     model_s = wall - o[0].wall_s * (it_r + 1) / (it_o + 1)
                 else:
                     model_s = o[0].wall_s - wall
-            calls = max(r.nfe for r in rs)
             d = per[s]
             for response, r in zip(group, rs):
                 i = response // samples
@@ -309,7 +322,8 @@ def cache_size_for(model, prompts, max_new_tokens=None) -> int:
 
 def summarize(model_name: str, task: str, per: dict, widths, config_width: int,
               resamples: int = stats.RESAMPLES, family: str = "nemotron",
-              samples: int = 1, batch_size: int = 1, mesh: dict | None = None) -> dict:
+              samples: int = 1, batch_size: int = 1, mesh: dict | None = None,
+              batching: str = "continuous") -> dict:
     """The run's table: totals and rates per schedule (means per response), and Packed-SS
     against each baseline with paired bootstrap intervals over prompts (every response
     of a resampled prompt included; the wall difference is per response)."""
@@ -361,13 +375,14 @@ def summarize(model_name: str, task: str, per: dict, widths, config_width: int,
                 figure3[s]["accuracy_diff_pp"] = {"diff": acc["diff_pp"], "ci95": acc["ci95_pp"]}
     return {"model": model_name, "family": family, "width_name": fam.width_name, "task": task,
             "n_prompts": n, "samples": samples, "batch_size": batch_size, "mesh": mesh,
+            "batching": batching if batch_size > 1 else None,
             "results": results,
             "paired": paired, "ratios_to_linear": figure3, "bootstrap_resamples": resamples,
             "warmup": "each schedule decoded the first prompt once before timing; "
                       "compilation is ahead of time and never inside wall_s",
             "wall_s_is": "per prompt, the sum over its responses of the fastest of `repeats` "
-                         "identical decodes (with a batch size N > 1: each response's 1/N "
-                         "share of its batch's)",
+                         "identical decodes (with a batch size N > 1: each response's "
+                         "equal share of its batch's, or continuous queue's)",
             "per_prompt": {s: {k: d[k] for k in ("tokens", "wall_s", "nfe", "iterations",
                                                  "model_s", "correct") if k in d}
                            for s, d in per.items()}}
@@ -377,6 +392,8 @@ def markdown(summary: dict) -> str:
     family = families.FAMILIES[summary.get("family", "nemotron")]
     width_name, label = family.width_name, family.width_symbol
     batch = summary.get("batch_size", 1)
+    if summary.get("batching"):
+        batch = f"{batch} {summary['batching']}"
     mesh = mesh_label(summary.get("mesh"))
     # tokens/NFE is per sequence; time/call is one forward call of the whole batch.
     rows = [f"| schedule | {label} | batch | mesh | tokens | mean tokens | wall (s) | NFE "
@@ -668,8 +685,12 @@ def _main(argv: list[str] | None, prog: str) -> int:
                    help="how the model / non-model time split is measured: null (a decode whose "
                         "forward computes nothing) or doubled (every forward done twice)")
     p.add_argument("--batch-size", type=int_at_least(1), default=1,
-                   help="decode this many consecutive prompts at once (static batches, each "
-                        "run until its last sequence stops; per prompt the same tokens)")
+                   help="decode this many prompts at once (per prompt the same tokens); see "
+                        "--batching")
+    p.add_argument("--batching", choices=BATCHING, default="continuous",
+                   help="with --batch-size N > 1: continuous (default) keeps N slots busy, "
+                        "refilling a slot as soon as its sequence stops; static decodes "
+                        "groups of N consecutive prompts, each until its last one stops")
     p.add_argument("--limit", type=int_at_least(1), default=None,
                    help="first N prompts (offline tasks: 100)")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=None,
@@ -811,7 +832,7 @@ def _main(argv: list[str] | None, prog: str) -> int:
                     kw = dict(temperature=args.temperature, seed=args.seed,
                               max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                               capacity=capacity[task], order=order, samples=args.samples,
-                              batch_size=args.batch_size)
+                              batch_size=args.batch_size, batching=args.batching)
                     used_widths, probe_rows = {s: ws[s] for s in run_schedules}, []
                     if sizes:
                         used_widths, probe_rows = probe(model, prompts, run_schedules, sizes,
@@ -819,7 +840,8 @@ def _main(argv: list[str] | None, prog: str) -> int:
                     per = run(model, prompts, run_schedules, used_widths, split=args.split, **kw)
                     summary = summarize(name, task, per, used_widths, config.block_size,
                                         args.resamples, family=family.name, samples=args.samples,
-                                        batch_size=args.batch_size, mesh=args.mesh)
+                                        batch_size=args.batch_size, mesh=args.mesh,
+                                        batching=args.batching)
                     summary.update(temperature=args.temperature, repeats=args.repeats,
                                    probe=probe_rows, time_split=args.split, order=order,
                                    seed=args.seed, cache_size=capacity[task])
