@@ -1,13 +1,14 @@
 #!/usr/bin/env python
-"""Throughput versus batch size, per schedule, on the embedded model (static batches).
+"""Throughput versus batch size, per schedule, on the embedded model.
 
 The same prompts (the arithmetic task's first `--prompts`) are decoded by every schedule
-at every batch size: batch size N decodes N consecutive prompts in one batched program,
-run until its last sequence stops (bench.harness.run, `batch_size=N`). Per row: total
-tokens, wall time (compilation excluded), throughput, tokens/NFE per sequence and the
-time of one batched forward call. Per prompt the tokens are those decoded alone, so
-tokens/NFE does not move with the batch; what moves is the cost of a call, which serves
-N sequences at once.
+at every batch size: batch size N keeps N slots of one batched program busy, refilling a
+slot as soon as its sequence stops (bench.harness.run, `batch_size=N`; `--batching
+static` decodes groups of N consecutive prompts instead, each until its last sequence
+stops). Per row: total tokens, wall time (compilation excluded), throughput, tokens/NFE
+per sequence and the time of one batched forward call. Per prompt the tokens are those
+decoded alone, so tokens/NFE does not move with the batch; what moves is the cost of a
+call, which serves N sequences at once.
 
     python -m benchmarks.batch_throughput                       # 1,2,4,8,16 x every schedule
     python -m benchmarks.batch_throughput --schedules ar --sizes 1,8 --json out.json
@@ -36,7 +37,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--schedules", default=None, help="comma-separated (default: all)")
     p.add_argument("--sizes", default="1,2,4,8,16", help="batch sizes")
-    p.add_argument("--prompts", type=int, default=16, help="prompts per measurement")
+    p.add_argument("--prompts", type=int, default=64, help="prompts per measurement")
+    p.add_argument("--batching", choices=harness.BATCHING, default="continuous")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--capacity", type=int, default=128,
@@ -60,7 +62,7 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             d = harness.run(model, prompts, [s], {s: args.block_size}, capacity=args.capacity,
                             max_new_tokens=args.max_new_tokens, split=None, progress=False,
-                            batch_size=n, repeats=args.repeats)[s]
+                            batch_size=n, batching=args.batching, repeats=args.repeats)[s]
             tokens, wall = sum(d["tokens"]), sum(d["wall_s"])
             row = dict(schedule=s, batch_size=n, tokens=tokens, wall_s=wall,
                        throughput_tok_s=tokens / wall, tokens_per_nfe=tokens / sum(d["nfe"]),
@@ -76,7 +78,8 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps(
             {"model": "embedded (nld-tiny)", "task": "arithmetic", "prompts": args.prompts,
              "max_new_tokens": args.max_new_tokens, "block_size": args.block_size,
-             "capacity": args.capacity, "rows": rows}, indent=1) + "\n")
+             "capacity": args.capacity, "batching": args.batching, "rows": rows},
+            indent=1) + "\n")
     return 0
 
 
