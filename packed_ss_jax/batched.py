@@ -57,6 +57,15 @@ def start_batch(start: Callable) -> Callable:
     return jax.vmap(start, in_axes=(None, 0, 0, 0, 0))
 
 
+def pin_cache(s, cache_sharding):
+    """The batched state `s` with its cache constrained to `cache_sharding` (a Sharding of
+    a [N, kv_heads, slots, head_dim] buffer; None: left to XLA)."""
+    if cache_sharding is None:
+        return s
+    return s.replace(cache=jax.tree.map(
+        lambda b: jax.lax.with_sharding_constraint(b, cache_sharding), s.cache))
+
+
 def build(loop, cache_sharding=None) -> Callable:
     """The batched decode function of a family's decode loop (`loop.Loop`):
 
@@ -71,10 +80,7 @@ def build(loop, cache_sharding=None) -> Callable:
     first, body = start_batch(start), step_batch(step)
 
     def pin(s):
-        if cache_sharding is None:
-            return s
-        return s.replace(cache=jax.tree.map(
-            lambda b: jax.lax.with_sharding_constraint(b, cache_sharding), s.cache))
+        return pin_cache(s, cache_sharding)
 
     def run(params, prompts, n, limits, keys):
         s = pin(first(params, prompts, n, limits, keys))

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import batched, engine
+from . import batched, engine, sharding
 
 
 @dataclasses.dataclass
@@ -53,15 +53,37 @@ class Stats:
         return max(0.0, 1.0 - (self.loop_s + self.refill_s) / self.wall_s)
 
 
-def _programs(model, family, batch: engine.Batch):
+def _pinner(model, slots: int):
+    """`pin(state)`: on a mesh, the batched state with every leaf constrained to where it
+    lives (the cache as sharding.cache_spec, the rest split over "data" by slot), so the
+    programs that pass it on to each other agree on it; on one device, the identity."""
+    mesh = sharding.mesh_of(model.params)
+    if mesh is None:
+        return lambda s: s
+    NamedSharding = jax.sharding.NamedSharding
+    rows = NamedSharding(mesh, sharding.batch_spec(mesh, slots))
+    cache = NamedSharding(mesh, sharding.cache_spec(model.config, mesh, slots))
+
+    def pin(s):
+        rest = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, rows),
+                            s.replace(cache=None))
+        return batched.pin_cache(rest.replace(cache=s.cache), cache)
+
+    return pin
+
+
+def _programs(model, family, batch: engine.Batch, pin):
     loop = family.build(model, batch.program)
     start, step, outcome = loop.init, loop.step, loop.outcome
-    body = batched.step_batch(step)
+    step_all = batched.step_batch(step)
     first = batched.start_batch(start)
+
+    def body(params, s):
+        return pin(step_all(params, s))
 
     def begin(params, prompts, n, limits, seeds, live):
         s = first(params, prompts, n, limits, jax.vmap(jax.random.PRNGKey)(seeds))
-        return s.replace(done=s.done | ~live)  # slots without a prompt start stopped
+        return pin(s.replace(done=s.done | ~live))  # slots without a prompt start stopped
 
     def resume(params, s, every):
         """At most `every` iterations; stops early once a sequence running at entry
@@ -82,7 +104,7 @@ def _programs(model, family, batch: engine.Batch):
         taken = jax.vmap(outcome)(jax.tree.map(lambda b: b.at[slots].get(mode="clip"), s))
         new = first(params, prompts, n, limits, jax.vmap(jax.random.PRNGKey)(seeds))
         s = jax.tree.map(lambda b, x: b.at[slots].set(x.astype(b.dtype), mode="drop"), s, new)
-        return s, taken
+        return pin(s), taken
 
     return begin, resume, refill, jax.vmap(outcome)
 
@@ -100,7 +122,7 @@ def refill_bucket(n: int, capacity: int) -> int:
     to a third, for twice the programs."""
     b = engine.MIN_BUCKET
     while b < n:
-        b = b * 3 // 2 if b & (b - 1) == 0 else b // 3 * 4  # 2^k -> 1.5 * 2^k -> 2^(k+1)
+        b = b * 3 // 2 if (b & (b - 1)) == 0 else b // 3 * 4  # 2^k -> 1.5 * 2^k -> 2^(k+1)
     return min(b, capacity)
 
 
@@ -114,8 +136,20 @@ def decode_queue(model, family, batch: engine.Batch, slots: int,
     if slots < 1 or every < 1:
         raise engine.InputError(f"slots and every must be >= 1, got {slots}, {every}")
     reqs = batch.requests
-    begin, resume, refill, outcome = _programs(model, family, batch)
-    key = (model.key, batch.program, "queue", slots)
+    # On a mesh (a model loaded with `mesh=`) the slots are split over "data" and every
+    # call is tensor-parallel over "model", as in a batched decode (engine.run_batch).
+    mesh = sharding.mesh_of(model.params)
+
+    def place(args, n):
+        """Arguments with a leading axis of n entries, onto the mesh (split over "data"
+        when it divides n); on one device as they are."""
+        if mesh is None:
+            return args
+        return jax.device_put(args, jax.sharding.NamedSharding(
+            mesh, sharding.batch_spec(mesh, n)))
+
+    begin, resume, refill, outcome = _programs(model, family, batch, _pinner(model, slots))
+    key = (model.key, batch.program, "queue", slots) + engine.placement(model)
     params = model.params
     compile_s = 0.0
 
@@ -139,11 +173,14 @@ def decode_queue(model, family, batch: engine.Batch, slots: int,
                 seeds[rows])
 
     head = [reqs[min(i, len(reqs) - 1)] for i in range(slots)]
-    head_args = engine.Batch(batch.program, tuple(head)).args()
-    live = jnp.asarray(np.arange(slots) < len(reqs))
+    head_args = place(engine.Batch(batch.program, tuple(head)).host_args(), slots)
+    live = place(np.arange(slots) < len(reqs), slots)
     exe_begin = program(("begin",), begin, params, *head_args, live)
-    shape = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype), exe_begin.out_info)
-    exe_resume = program(("resume",), resume, params, shape, jnp.int32(every), donate=(1,))
+    shape = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding),
+                         exe_begin.out_info)
+    every_ = np.int32(every) if mesh is None else jax.device_put(
+        np.int32(every), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    exe_resume = program(("resume",), resume, params, shape, every_, donate=(1,))
     exe_outcome = program(("outcome",), outcome, shape)
     compile_before = compile_s
 
@@ -157,11 +194,10 @@ def decode_queue(model, family, batch: engine.Batch, slots: int,
     queue = collections.deque(range(slots, len(reqs)))
     holder = [i if i < len(reqs) else None for i in range(slots)]
     outs: list = [None] * len(reqs)
-    every_ = jnp.int32(every)
     while any(h is not None for h in holder):
         t = time.perf_counter()
         s, ran, made = exe_resume(params, s, every_)
-        done, ran, made = jax.device_get((s.done, ran, made))
+        done, ran, made = engine.to_host((s.done, ran, made))
         loop_s += time.perf_counter() - t
         trips += 1
         steps += int(ran)
@@ -177,6 +213,7 @@ def decode_queue(model, family, batch: engine.Batch, slots: int,
             args = refill_args(new)
             where = np.full(len(args[1]), slots, np.int32)
             where[: len(new)] = finished[: len(new)]
+            where, args = place((where, args), len(where))
             exe = refills_exe.get(args[0].shape)
             if exe is None:
                 exe = refills_exe[args[0].shape] = program(
@@ -184,7 +221,7 @@ def decode_queue(model, family, batch: engine.Batch, slots: int,
                     donate=(1,))
             t = time.perf_counter()
             s, taken = exe(params, s, where, *args)
-            taken = jax.device_get(taken)
+            taken = engine.to_host(taken)
             refill_s += time.perf_counter() - t
             calls += 1
             forward += 1
@@ -193,7 +230,7 @@ def decode_queue(model, family, batch: engine.Batch, slots: int,
                 outs[holder[finished[j]]] = {name: x[j] for name, x in taken.items()}
                 holder[finished[j]] = i
         if rest := finished[len(new):]:  # the queue ran out: these slots stay stopped
-            taken = jax.device_get(exe_outcome(s))
+            taken = engine.to_host(exe_outcome(s))
             for j in rest:
                 outs[holder[j]] = {name: x[j] for name, x in taken.items()}
                 holder[j] = None

@@ -60,6 +60,9 @@ def main(path: str) -> dict:
                 r.tokens for r in ps.decode(m, prompts, temperature=1.0, seed=list(range(8)),
                                             **kw)]
             out["meshes"][name + "_single"] = ps.decode(m, prompts[3], **kw).tokens
+        if name == "4x2" and path is None:  # continuous batching: 4 slots over "data"
+            results, _ = ps.decode_continuous(m, prompts, slots=4, **kw)
+            out["meshes"][name + "_queue"] = [r.tokens for r in results]
     return out
 
 
