@@ -10,6 +10,8 @@ memory bandwidth): at batch size 1 a call can't be faster than reading every wei
     python benchmarks/gpu_timing.py --smoke          # tiny shapes: checks the script on a CPU
     python benchmarks/gpu_timing.py --shapes embedded --cache-lengths 264 --block-size 8 \
         --quadratic-block-size 4                     # the embedded model's calls, on a CPU
+    python benchmarks/gpu_timing.py --shapes embedded --cache-lengths 128 --block-size 8 \
+        --quadratic-block-size 4 --batch 1,2,4,8,16  # ... and of batched decodes
 """
 
 from __future__ import annotations
@@ -75,8 +77,9 @@ def time_forward(forward, params, call, cache, cache_len, out_rows, repeat: int)
             tokens, acc = carry
             logits, _ = forward(params, tokens, call.positions, call.mask, cache, cache_len,
                                 call.draft_rows, out_rows)
-            flag = (logits[0, 0] > 1e30).astype(jnp.int32)
-            return tokens.at[0].add(flag), acc + logits[0, 0]
+            first = logits.reshape(-1)[0]
+            flag = (first > 1e30).astype(jnp.int32)
+            return tokens.at[(0,) * tokens.ndim].add(flag), acc + first
         return jax.lax.fori_loop(0, repeat, body, (tokens, jnp.float32(0)))
 
     args = (params, call.tokens, cache, jnp.int32(cache_len))
@@ -89,11 +92,18 @@ def time_forward(forward, params, call, cache, cache_len, out_rows, repeat: int)
     return best
 
 
-def time_call(c: ModelConfig, params, call, out_rows, cache_len: int, repeat: int) -> float:
+def time_call(c: ModelConfig, params, call, out_rows, cache_len: int, repeat: int,
+              batch: int = 1) -> float:
+    """Seconds per call of one layout; with `batch` > 1, the call of `batch` sequences,
+    each with its own cache, as the batched engine makes it (the forward vmapped)."""
     cache = model_lib.empty_cache(c, cache_len + 128)
     call = call._replace(positions=call.positions + cache_len)
-    return time_forward(functools.partial(model_lib.forward, c), params, call, cache, cache_len,
-                        out_rows, repeat)
+    forward = functools.partial(model_lib.forward, c)
+    if batch > 1:
+        cache = jax.tree.map(lambda b: jnp.broadcast_to(b, (batch,) + b.shape), cache)
+        call = call._replace(tokens=jnp.broadcast_to(call.tokens, (batch,) + call.tokens.shape))
+        forward = jax.vmap(forward, in_axes=(None, 0, None, None, 0, None, None, None))
+    return time_forward(forward, params, call, cache, cache_len, out_rows, repeat)
 
 
 def main(argv=None) -> int:
@@ -104,6 +114,8 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--quadratic-block-size", type=int, default=8)
     p.add_argument("--repeat", type=int, default=20)
+    p.add_argument("--batch", default="1",
+                   help="sequences per call, e.g. 1,2,4,8,16 (each call of a batched decode)")
     p.add_argument("--dtype", default=None, help="default bfloat16 on GPU, float32 on CPU")
     p.add_argument("--bandwidth", type=float, default=None, help="bytes/s (default: by device)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, for a CPU check")
@@ -118,8 +130,9 @@ def main(argv=None) -> int:
         lengths = [64, 256]
     print(f"device: {kind}, dtype {dtype}, peak bandwidth "
           f"{'unknown' if bw is None else f'{bw / 1e12:.2f} TB/s'}")
-    print("| model | call | cache | ms / call | bound (ms) | call / bound |")
-    print("|---|---|---|---|---|---|")
+    batches = [int(x) for x in args.batch.split(",")]
+    print("| model | call | batch | cache | ms / call | bound (ms) | call / bound |")
+    print("|---|---|---|---|---|---|---|")
     t_start = time.monotonic()
     for shape in shapes:
         c = config(shape, dtype)
@@ -130,10 +143,11 @@ def main(argv=None) -> int:
             for name, call, rows in calls(args.block_size if not args.smoke else 4,
                                           args.quadratic_block_size if not args.smoke else 3,
                                           c.mask_token_id):
-                t = time_call(c, params, call, rows, L, args.repeat)
-                size = f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
-                print(f"| {shape} ({size}) | {name} | {L} | {1e3 * t:.3f} | "
-                      f"{1e3 * bound:.3f} | {t / bound:.2f} |", flush=True)
+                for n in batches:
+                    t = time_call(c, params, call, rows, L, args.repeat, n)
+                    size = f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
+                    print(f"| {shape} ({size}) | {name} | {n} | {L} | {1e3 * t:.3f} | "
+                          f"{1e3 * bound:.3f} | {t / bound:.2f} |", flush=True)
         del params
     print(f"\ntotal {time.monotonic() - t_start:.0f}s", file=sys.stderr)
     return 0

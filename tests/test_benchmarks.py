@@ -264,4 +264,11 @@ def test_gpu_timing_smoke_prints_every_call(capsys):
     assert len(rows) == 2 * len(calls)  # two cache lengths
     for row, name in zip(rows, calls * 2):
         assert name in row
-        assert float(row.split("|")[4]) > 0  # ms / call
+        assert row.split("|")[3].strip() == "1"  # batch
+        assert float(row.split("|")[5]) > 0  # ms / call
+    # A batched decode's call: the forward vmapped over sequences with their own caches.
+    c = gpu_timing.config("smoke", "float32")
+    params = gpu_timing.model_lib.unstack_layers(
+        gpu_timing.model_lib.init_params(c, gpu_timing.jax.random.PRNGKey(0)))
+    name, call, rows = gpu_timing.calls(4, 3, c.mask_token_id)[0]
+    assert gpu_timing.time_call(c, params, call, rows, 64, repeat=1, batch=3) > 0
