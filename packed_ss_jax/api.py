@@ -169,9 +169,9 @@ def decode_continuous(model, prompts: Sequence, *, slots: int = 8, every: int = 
     """Decodes a long list of prompts keeping `slots` sequences busy (continuous
     batching, see continuous.py): as soon as sequences stop, the host refills their
     slots with the next prompts, in one call (the loop reports back at least every
-    `every` iterations). Returns (one DecodeResult per
-    prompt, in order, each what that prompt decoded alone gives; `continuous.Stats`,
-    with the host round trips' share of wall time). The other arguments are `decode`'s.
+    `every` iterations). Returns (one DecodeResult per prompt, in order, each what that
+    prompt decoded alone gives; `continuous.Stats`, with the host round trips' share of
+    wall time). The other arguments are `decode`'s.
     """
     slots = requests.integer(slots, "slots", 1)
     every = requests.integer(every, "every", 1)

@@ -98,13 +98,14 @@ def _programs(model, family, batch: engine.Batch, pin):
         return after, ran, jnp.max(after.nfe - s.nfe)
 
     def refill(params, s, slots, prompts, n, limits, seeds):
-        """The outcomes of `slots` (what they held), and the state with the new prompts'
-        first calls written into those slots. A slot index past the batch is padding:
-        its outcome is garbage and its write is dropped."""
+        """The outcomes of `slots` (what they held), the state with the new prompts' first
+        calls written into those slots, and the batched forward calls the first calls made
+        (one, or two when a sampled draft follows). A slot index past the batch is
+        padding: its outcome is garbage and its write is dropped."""
         taken = jax.vmap(outcome)(jax.tree.map(lambda b: b.at[slots].get(mode="clip"), s))
         new = first(params, prompts, n, limits, jax.vmap(jax.random.PRNGKey)(seeds))
         s = jax.tree.map(lambda b, x: b.at[slots].set(x.astype(b.dtype), mode="drop"), s, new)
-        return pin(s), taken
+        return pin(s), taken, jnp.max(new.nfe)
 
     return begin, resume, refill, jax.vmap(outcome)
 
@@ -190,7 +191,7 @@ def decode_queue(model, family, batch: engine.Batch, slots: int,
     s = exe_begin(params, *head_args, live)
     loop_s = refill_s = 0.0
     trips = refills = steps = calls = 0
-    forward = 1  # the first batch's first call
+    forward = int(np.max(engine.to_host(s.nfe)))  # the first batch's first calls
     queue = collections.deque(range(slots, len(reqs)))
     holder = [i if i < len(reqs) else None for i in range(slots)]
     outs: list = [None] * len(reqs)
@@ -220,11 +221,11 @@ def decode_queue(model, family, batch: engine.Batch, slots: int,
                     ("refill",) + args[0].shape, refill, params, shape, where, *args,
                     donate=(1,))
             t = time.perf_counter()
-            s, taken = exe(params, s, where, *args)
-            taken = engine.to_host(taken)
+            s, taken, made = exe(params, s, where, *args)
+            taken, made = engine.to_host((taken, made))
             refill_s += time.perf_counter() - t
             calls += 1
-            forward += 1
+            forward += int(made)
             refills += len(new)
             for j, i in enumerate(new):
                 outs[holder[finished[j]]] = {name: x[j] for name, x in taken.items()}

@@ -163,6 +163,9 @@ def test_continuous_batching_gives_each_prompts_tokens(family, temperature):
     assert any(k[2:6] == ("queue", 4, "refill", 4) for k in engine._compiled)  # padded
     assert stats.round_trips > 1 and 0 <= stats.host_fraction < 1
     assert stats.steps >= max(r.iterations for r in results) - 1
+    # Every batched call serves at least one sequence, and each sequence makes its own
+    # calls in some batched call (a sampled first call of Packed-SS is two).
+    assert max(r.nfe for r in results) <= stats.forward_calls <= sum(r.nfe for r in results)
     for p, s, b in zip(prompts, seeds, results):
         _same(ps.decode(m, p, seed=s, **kw), b)
     c = m.config
