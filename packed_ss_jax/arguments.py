@@ -175,6 +175,8 @@ def distributed(args) -> None:
                          f"{args.num_processes}")
     import jax
 
+    if jax.distributed.is_initialized():  # joined already (a command may ask twice)
+        return
     # CPU devices of several processes talk through gloo (GPUs use NCCL whatever this says).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,

@@ -66,3 +66,28 @@ def test_two_processes_read_their_own_slices_and_give_one_process_tokens(nemotro
         read, whole = map(sum, zip(*r))
         assert whole // 2 <= read < whole, r
     assert reads[0] == reads[1]
+
+
+def test_bench_joins_the_processes_before_anything_starts_jax(monkeypatch):
+    """`bench --coordinator ...` records the devices in its provenance, which starts JAX,
+    and `jax.distributed.initialize` must come before that (it raised otherwise)."""
+    from packed_ss_jax.bench import harness, provenance
+
+    order = []
+
+    class Stop(Exception):
+        pass
+
+    def record(*args, **kwargs):
+        order.append("record")
+        raise Stop
+
+    monkeypatch.setattr(harness, "distributed", lambda args: order.append("join"))
+    monkeypatch.setattr(provenance, "record", record)
+    argv = ["--limit", "2", "--schedules", "ar", "--coordinator", "127.0.0.1:1",
+            "--num-processes", "2", "--process-id", "0"]
+    try:
+        harness.main(argv)
+    except Stop:
+        pass
+    assert order == ["join", "record"]

@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from .. import api, engine, families
-from ..arguments import (Parser, UsageError, int_at_least, load_model, model_args, run_command,
-                         seed as seed_arg, temperature as temperature_arg)
+from ..arguments import (Parser, UsageError, distributed, int_at_least, load_model, model_args,
+                         run_command, seed as seed_arg, temperature as temperature_arg)
 from . import accounting, figures, provenance, stats, tasks, timing
 
 
@@ -784,6 +784,9 @@ def _main(argv: list[str] | None, prog: str) -> int:
                          f"bootstrap indices than fit in memory (at most "
                          f"{MAX_BOOTSTRAP_ENTRIES:,})")
     model_dir = loading.resolve(args.model)
+    # The provenance record lists the devices, which starts JAX: a multi-host run must
+    # join its processes first.
+    distributed(args)
     tokenizer = args.tokenizer
     if tokenizer is not None and Path(tokenizer).is_dir():  # the file that is read
         tokenizer = str(Path(tokenizer) / "tokenizer.json")
