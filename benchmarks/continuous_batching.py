@@ -38,6 +38,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="keep the fastest of this many")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
+    if min(args.repeats, args.prompts, args.slots) < 1:
+        p.error("--repeats, --prompts and --slots must be at least 1")
 
     model = ps.load()
     prompts = tasks.load("arithmetic", None, args.prompts)

@@ -130,7 +130,12 @@ def main(argv=None) -> int:
         lengths = [64, 256]
     print(f"device: {kind}, dtype {dtype}, peak bandwidth "
           f"{'unknown' if bw is None else f'{bw / 1e12:.2f} TB/s'}")
-    batches = [int(x) for x in args.batch.split(",")]
+    try:
+        batches = [int(x) for x in args.batch.split(",")]
+    except ValueError:
+        batches = [0]
+    if min(batches) < 1:
+        p.error(f"--batch: sequences per call must be integers >= 1, got {args.batch!r}")
     print("| model | call | batch | cache | ms / call | bound (ms) | call / bound |")
     print("|---|---|---|---|---|---|---|")
     t_start = time.monotonic()
