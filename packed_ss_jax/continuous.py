@@ -139,16 +139,6 @@ def decode_queue(model, family, batch: engine.Batch, slots: int,
     reqs = batch.requests
     # On a mesh (a model loaded with `mesh=`) the slots are split over "data" and every
     # call is tensor-parallel over "model", as in a batched decode (engine.run_batch).
-    mesh = sharding.mesh_of(model.params)
-
-    def place(args, n):
-        """Arguments with a leading axis of n entries, onto the mesh (split over "data"
-        when it divides n); on one device as they are."""
-        if mesh is None:
-            return args
-        return jax.device_put(args, jax.sharding.NamedSharding(
-            mesh, sharding.batch_spec(mesh, n)))
-
     begin, resume, refill, outcome = _programs(model, family, batch, _pinner(model, slots))
     key = (model.key, batch.program, "queue", slots) + engine.placement(model)
     params = model.params
@@ -174,18 +164,16 @@ def decode_queue(model, family, batch: engine.Batch, slots: int,
                 seeds[rows])
 
     head = [reqs[min(i, len(reqs) - 1)] for i in range(slots)]
-    head_args = place(engine.Batch(batch.program, tuple(head)).host_args(), slots)
-    live = place(np.arange(slots) < len(reqs), slots)
+    head_args = engine.on_mesh(model, engine.Batch(batch.program, tuple(head)).host_args(),
+                               slots)
+    live = engine.on_mesh(model, np.arange(slots) < len(reqs), slots)
     exe_begin = program(("begin",), begin, params, *head_args, live)
     shape = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding),
                          exe_begin.out_info)
-    every_ = np.int32(every) if mesh is None else jax.device_put(
-        np.int32(every), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    every_ = engine.on_mesh(model, np.int32(every))
     exe_resume = program(("resume",), resume, params, shape, every_, donate=(1,))
     exe_outcome = program(("outcome",), outcome, shape)
     compile_before = compile_s
-
-    refills_exe = {}  # (size, bucket) -> refill program (skips the program cache's key)
 
     t0 = time.perf_counter()
     s = exe_begin(params, *head_args, live)
@@ -214,12 +202,9 @@ def decode_queue(model, family, batch: engine.Batch, slots: int,
             args = refill_args(new)
             where = np.full(len(args[1]), slots, np.int32)
             where[: len(new)] = finished[: len(new)]
-            where, args = place((where, args), len(where))
-            exe = refills_exe.get(args[0].shape)
-            if exe is None:
-                exe = refills_exe[args[0].shape] = program(
-                    ("refill",) + args[0].shape, refill, params, shape, where, *args,
-                    donate=(1,))
+            where, args = engine.on_mesh(model, (where, args), len(where))
+            exe = program(("refill",) + args[0].shape, refill, params, shape, where, *args,
+                          donate=(1,))
             t = time.perf_counter()
             s, taken, made = exe(params, s, where, *args)
             taken, made = engine.to_host((taken, made))

@@ -354,14 +354,21 @@ def placement(model) -> tuple:
     return (tuple(x.sharding for x in jax.tree.leaves(model.params)),)
 
 
-def request_args(model, request: Request) -> tuple:
-    """A request's arguments, replicated over the model's mesh when it has one (so that a
-    program whose weights span several processes gets global arrays)."""
-    args = request.args()
+def on_mesh(model, args, batch: int | None = None):
+    """`args` on the model's mesh when it has one (so that a program whose weights span
+    several processes gets global arrays): replicated, or with `batch` given, every
+    leaf's leading axis of `batch` entries split over "data" (see sharding.batch_spec).
+    On one device, `args` as they are."""
     mesh = sharding.mesh_of(model.params)
     if mesh is None:
         return args
-    return jax.device_put(args, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    spec = jax.sharding.PartitionSpec() if batch is None else sharding.batch_spec(mesh, batch)
+    return jax.device_put(args, jax.sharding.NamedSharding(mesh, spec))
+
+
+def request_args(model, request: Request) -> tuple:
+    """A request's arguments, replicated over the model's mesh when it has one."""
+    return on_mesh(model, request.args())
 
 
 def compiled(model, family, request: Request) -> tuple[Any, float]:
@@ -524,13 +531,8 @@ def result(model, family, request: Request, out: dict, wall_s: float,
 
 def batch_args(model, batch: Batch) -> tuple:
     """The batched program's arguments, on the model's mesh (when it has one): every
-    argument's leading batch axis split over "data" (see sharding.batch_spec)."""
-    args = batch.args()
-    mesh = sharding.mesh_of(model.params)
-    if mesh is None:
-        return args
-    where = jax.sharding.NamedSharding(mesh, sharding.batch_spec(mesh, len(batch.requests)))
-    return jax.device_put(args, where)
+    argument's leading batch axis split over "data"."""
+    return on_mesh(model, batch.args(), len(batch.requests))
 
 
 def compiled_batch(model, family, batch: Batch) -> tuple[Any, float]:
