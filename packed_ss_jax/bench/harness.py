@@ -99,6 +99,13 @@ def batches(prompts, size: int, samples: int = 1) -> list[list[int]]:
     return out
 
 
+def _counts(**values) -> None:
+    """ValueError naming the first value that is not an integer >= 1."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
 def run(model, prompts, schedules, widths, *, capacity: int, temperature=0.0, seed=0,
         max_new_tokens=None, repeats=1, split="null", order="ltr", samples=1,
         progress=True, batch_size=1, batching="continuous") -> dict:
@@ -128,10 +135,7 @@ def run(model, prompts, schedules, widths, *, capacity: int, temperature=0.0, se
     """
     if not prompts:
         raise ValueError("no prompts to run")
-    for name, value in (("repeats", repeats), ("samples", samples),
-                        ("batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    _counts(repeats=repeats, samples=samples, batch_size=batch_size)
     if batching not in BATCHING:
         raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
     queue = batch_size > 1 and batching == "continuous"
@@ -327,9 +331,7 @@ def summarize(model_name: str, task: str, per: dict, widths, config_width: int,
     """The run's table: totals and rates per schedule (means per response), and Packed-SS
     against each baseline with paired bootstrap intervals over prompts (every response
     of a resampled prompt included; the wall difference is per response)."""
-    for name, value in (("resamples", resamples), ("samples", samples)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    _counts(resamples=resamples, samples=samples)
     n = len(next(iter(per.values()))["tokens"])
     fam = families.FAMILIES[family]
     results = {}
