@@ -12,6 +12,13 @@ memory bandwidth): at batch size 1 a call can't be faster than reading every wei
         --quadratic-block-size 4                     # the embedded model's calls, on a CPU
     python benchmarks/gpu_timing.py --shapes embedded --cache-lengths 128 --block-size 8 \
         --quadratic-block-size 4 --batch 1,2,4,8,16  # ... and of batched decodes
+    python benchmarks/gpu_timing.py --shapes embedded --products --batch 1,8,16
+                                                     # the weight products alone, by rows
+
+`--products` times only the products of a call with the weights (every layer's q, k, v,
+o, gate, up and down projections and the head, chained as the forward chains them, none
+of the rest): what a call of that many rows cannot be faster than on this device, and the
+rate those products run at, next to the rate of one 1024 x 1024 x 1024 product.
 """
 
 from __future__ import annotations
@@ -106,6 +113,54 @@ def time_call(c: ModelConfig, params, call, out_rows, cache_len: int, repeat: in
     return time_forward(forward, params, call, cache, cache_len, out_rows, repeat)
 
 
+def products(c: ModelConfig, params, rows: int, repeat: int):
+    """The weight products alone for `rows` rows, as a timer: the forward's chain of dense
+    products with its weights (attention, norms, RoPE and the cache left out; each
+    product's input still depends on the one before). Returns (time_once, FLOPs per
+    call): `time_once()` runs `repeat` calls in one XLA loop, seconds per call."""
+    kv_repeat = c.num_heads // c.num_kv_heads
+
+    @jax.jit
+    def run(params_, h):
+        def body(i, h):
+            x = h
+            for layer in [params_[f"layer_{i}"] for i in range(c.num_layers)]:
+                a, m = layer["attn"], layer["mlp"]
+                q, k, v = (model_lib.dense(x, a[n], None) for n in ("q_proj", "k_proj", "v_proj"))
+                mixed = q + jnp.tile(k + v, (1, kv_repeat))  # stands in for attention
+                x = x + model_lib.dense(mixed, a["o_proj"], None)
+                gate, up = (model_lib.dense(x, m[n], None) for n in ("gate_proj", "up_proj"))
+                x = x + model_lib.dense(jax.nn.silu(gate) * up, m["down_proj"], None)
+            logits = model_lib.dense(x, params_["head"], None)
+            return h + 1e-6 * jnp.max(logits, axis=-1, keepdims=True)
+        return jax.lax.fori_loop(0, repeat, body, h)
+
+    h = jnp.ones((rows, c.hidden_size), jnp.float32)
+    jax.block_until_ready(run(params, h))  # compile
+
+    def time_once() -> float:
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(params, h))
+        return (time.perf_counter() - t0) / repeat
+
+    weights = sum(w.shape[0] * w.shape[1] for i in range(c.num_layers)
+                  for part in ("attn", "mlp") for w in params[f"layer_{i}"][part].values())
+    return time_once, 2.0 * rows * (weights + c.hidden_size * c.vocab_size)
+
+
+def square_rate(dtype, n: int = 1024, repeat: int = 10) -> float:
+    """FLOP/s of one n x n x n product on this device: a rate its kernels can reach."""
+    a = jnp.ones((n, n), dtype)
+    run = jax.jit(lambda a: jax.lax.fori_loop(0, repeat, lambda i, x: (x @ a) * 1e-3, a))
+    jax.block_until_ready(run(a))
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(a))
+        best = min(best, (time.perf_counter() - t0) / repeat)
+    return 2.0 * n ** 3 / best
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="3B,8B")
@@ -119,6 +174,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=None, help="default bfloat16 on GPU, float32 on CPU")
     p.add_argument("--bandwidth", type=float, default=None, help="bytes/s (default: by device)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, for a CPU check")
+    p.add_argument("--products", action="store_true",
+                   help="time the weight products alone, by rows (one row per sequence)")
     args = p.parse_args(argv)
     dev = jax.devices()[0]
     kind = getattr(dev, "device_kind", dev.platform)
@@ -136,6 +193,8 @@ def main(argv=None) -> int:
         batches = [0]
     if min(batches) < 1:
         p.error(f"--batch: sequences per call must be integers >= 1, got {args.batch!r}")
+    if args.products:
+        return _products_table(shapes, dtype, batches, args.repeat)
     print("| model | call | batch | cache | ms / call | bound (ms) | call / bound |")
     print("|---|---|---|---|---|---|---|")
     t_start = time.monotonic()
@@ -155,6 +214,28 @@ def main(argv=None) -> int:
                           f"{1e3 * bound:.3f} | {t / bound:.2f} |", flush=True)
         del params
     print(f"\ntotal {time.monotonic() - t_start:.0f}s", file=sys.stderr)
+    return 0
+
+
+def _products_table(shapes, dtype, batches, repeat: int, rounds: int = 5) -> int:
+    """The products-only table. The row counts are timed in turn, `rounds` times, and the
+    fastest of each is kept: a CPU shared with other work drifts by tens of percent within
+    seconds, which a comparison of row counts timed one after the other would take in."""
+    square = square_rate(jnp.dtype(dtype))
+    print(f"one 1024 x 1024 x 1024 product: {square / 1e9:.0f} GFLOP/s")
+    print(f"| model | rows | ms / call (products only) | GFLOP/s | x {batches[0]} rows |")
+    print("|---|---|---|---|---|")
+    for shape in shapes:
+        c = config(shape, dtype)
+        params = model_lib.unstack_layers(model_lib.init_params(c, jax.random.PRNGKey(0)))
+        timers = {n: products(c, params, n, repeat) for n in batches}
+        best = dict.fromkeys(batches, float("inf"))
+        for _ in range(rounds):
+            best = {n: min(best[n], timers[n][0]()) for n in batches}
+        for n in batches:
+            print(f"| {shape} | {n} | {1e3 * best[n]:.3f} | {timers[n][1] / best[n] / 1e9:.0f} | "
+                  f"{best[n] / best[batches[0]]:.2f} |", flush=True)
+        del params, timers
     return 0
 
 

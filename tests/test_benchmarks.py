@@ -272,3 +272,14 @@ def test_gpu_timing_smoke_prints_every_call(capsys):
         gpu_timing.model_lib.init_params(c, gpu_timing.jax.random.PRNGKey(0)))
     name, call, rows = gpu_timing.calls(4, 3, c.mask_token_id)[0]
     assert gpu_timing.time_call(c, params, call, rows, 64, repeat=1, batch=3) > 0
+    # The weight products alone, by rows: every 2-D weight of the layers and the head,
+    # 2 FLOPs per weight and row.
+    time_once, flops = gpu_timing.products(c, params, 3, repeat=1)
+    weights = [x for k, x in params.items() if k.startswith("layer_") or k == "head"]
+    assert time_once() > 0 and flops == 2 * 3 * sum(
+        w.size for w in gpu_timing.jax.tree.leaves(weights) if w.ndim == 2)
+    assert gpu_timing.main(["--smoke", "--products", "--batch", "1,2", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "GFLOP/s" in out.splitlines()[1]  # the rate of one large product, for reference
+    assert [r.split("|")[2].strip() for r in out.splitlines() if r.startswith("| smoke")] == [
+        "1", "2"]
