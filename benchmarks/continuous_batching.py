@@ -57,9 +57,10 @@ def main(argv=None) -> int:
     def queue(k):
         return ps.decode_continuous(model, [q.text for q in prompts], slots=N, every=k, **kw)
 
+    warm = [q.text for q in prompts[:N + 1]]  # a refill too, where the queue is that long
     for k in every:  # compile, warm up
-        ps.decode_continuous(model, [q.text for q in prompts[:N + 1]], slots=N, every=k,
-                             **dict(kw, seed=list(range(N + 1))))
+        ps.decode_continuous(model, warm, slots=N, every=k,
+                             **dict(kw, seed=list(range(len(warm)))))
     # The passes alternate (static, then each k), so a slow spell of the machine hits
     # every way alike; each way keeps its fastest whole pass over the queue.
     passes = {"static": [], **{k: [] for k in every}}

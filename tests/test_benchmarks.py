@@ -255,6 +255,22 @@ def test_probe_and_repeat_errors(flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_batching_benchmarks_run_on_short_queues(tmp_path, capsys):
+    """The batching benchmarks of the GPU check, on queues shorter than their slots (the
+    warm-up of the continuous one once asked for a seed per slot and one more)."""
+    from benchmarks import batch_throughput, continuous_batching
+
+    args = ["--max-new-tokens", "4", "--repeats", "1"]
+    assert continuous_batching.main(["--prompts", "2", "--slots", "4", "--every", "64",
+                                     "--json", str(tmp_path / "q.json"), *args]) == 0
+    rows = json.loads((tmp_path / "q.json").read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["static", "continuous"]
+    assert rows[0]["tokens"] == rows[1]["tokens"] > 0
+    assert batch_throughput.main(["--schedules", "ar", "--sizes", "1,2", "--prompts", "2",
+                                  "--json", str(tmp_path / "b.json"), *args]) == 0
+    assert "| ar | 2 |" in capsys.readouterr().out
+
+
 def test_gpu_timing_smoke_prints_every_call(capsys):
     from benchmarks import gpu_timing
 
