@@ -122,10 +122,10 @@ def products(c: ModelConfig, params, rows: int, repeat: int):
 
     @jax.jit
     def run(params_, h):
-        def body(i, h):
+        def body(_, h):
             x = h
-            for layer in [params_[f"layer_{i}"] for i in range(c.num_layers)]:
-                a, m = layer["attn"], layer["mlp"]
+            for j in range(c.num_layers):
+                a, m = params_[f"layer_{j}"]["attn"], params_[f"layer_{j}"]["mlp"]
                 q, k, v = (model_lib.dense(x, a[n], None) for n in ("q_proj", "k_proj", "v_proj"))
                 mixed = q + jnp.tile(k + v, (1, kv_repeat))  # stands in for attention
                 x = x + model_lib.dense(mixed, a["o_proj"], None)
