@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import api, engine, families
+from .. import api, engine, families, requests
 from ..arguments import (Parser, UsageError, distributed, int_at_least, load_model, model_args,
                          run_command, seed as seed_arg, temperature as temperature_arg)
 from . import accounting, figures, provenance, stats, tasks, timing
@@ -100,10 +100,9 @@ def batches(prompts, size: int, samples: int = 1) -> list[list[int]]:
 
 
 def _counts(**values) -> None:
-    """ValueError naming the first value that is not an integer >= 1."""
+    """An InputError (a ValueError) naming the first value that is not an integer >= 1."""
     for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        requests.integer(value, name, 1)
 
 
 def run(model, prompts, schedules, widths, *, capacity: int, temperature=0.0, seed=0,
