@@ -31,8 +31,10 @@ MAX_PICKLE_BYTES = 64 << 20
 # (a zip bomb); torch itself stores entries uncompressed.
 _DEFLATE_MAX_RATIO = 1032
 # What zipfile and zlib raise on damaged archives (beyond BadZipFile).
-_ZIP_ERRORS = (zipfile.BadZipFile, OSError, EOFError, zlib.error, struct.error, ValueError,
-               UnicodeDecodeError, NotImplementedError, RuntimeError, OverflowError)
+_ZIP_ERRORS = (
+    zipfile.BadZipFile, OSError, EOFError, zlib.error, struct.error, ValueError,
+    UnicodeDecodeError, NotImplementedError, RuntimeError, OverflowError,
+)
 
 
 def _corrupt(file: Path, e: Exception) -> CheckpointError:
