@@ -40,6 +40,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if min(args.repeats, args.prompts, args.slots) < 1:
         p.error("--repeats, --prompts and --slots must be at least 1")
+    try:
+        every = [int(x) for x in args.every.split(",")]
+    except ValueError:
+        every = [0]
+    if min(every) < 1:
+        p.error(f"--every: iterations between round trips must be integers >= 1, "
+                f"got {args.every!r}")
 
     model = ps.load()
     prompts = tasks.load("arithmetic", None, args.prompts)
@@ -47,7 +54,6 @@ def main(argv=None) -> int:
     width = {} if s == "ar" else {"block_size": args.block_size}
     kw = dict(schedule=s, max_new_tokens=args.max_new_tokens, cache_size=args.capacity,
               seed=list(range(len(prompts))), **width)
-    every = [int(x) for x in args.every.split(",")]
 
     def static():
         return harness.run(model, prompts, [s], {s: args.block_size}, capacity=args.capacity,
@@ -76,7 +82,7 @@ def main(argv=None) -> int:
     for k in every:
         results, st = min(passes[k], key=lambda x: x[1].wall_s)
         got = [len(r.tokens) for r in results]
-        assert got == d["tokens"], "continuous batching changed some prompt's output"
+        assert got == d["tokens"], "continuous batching changed some prompt's token count"
         rows.append(dict(mode="continuous", slots=N, every=k, tokens=sum(got),
                          wall_s=st.wall_s, throughput_tok_s=sum(got) / st.wall_s,
                          ratio_to_static=static_wall / st.wall_s,

@@ -269,6 +269,10 @@ def test_batching_benchmarks_run_on_short_queues(tmp_path, capsys):
     assert batch_throughput.main(["--schedules", "ar", "--sizes", "1,2", "--prompts", "2",
                                   "--json", str(tmp_path / "b.json"), *args]) == 0
     assert "| ar | 2 |" in capsys.readouterr().out
+    for every in ("0", "8,x"):  # refused before anything is loaded
+        with pytest.raises(SystemExit):
+            continuous_batching.main(["--every", every])
+        assert "--every" in capsys.readouterr().err
 
 
 def test_gpu_timing_smoke_prints_every_call(capsys):
