@@ -784,13 +784,13 @@ def run(base: Base, seed: int, cases: range, workdir: Path, limit_s: float = 10.
 
 
 def fixture_path() -> Path:
-    env = os.environ.get("PACKED_SS_SHARED")
-    roots = [Path(env)] if env else [p / "shared" for p in Path(__file__).resolve().parents]
-    for root in roots:
-        f = root / "fixtures" / "setdlm_tiny" / "pytorch_model.bin"
-        if f.exists():
-            return f
-    raise SystemExit("fixture pytorch_model.bin not found (set PACKED_SS_SHARED or --fixture)")
+    """The project's fixture `.bin` (tests/fixtures, written by tools/make_fixtures.py)."""
+    f = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "setdlm_tiny" / \
+        "pytorch_model.bin"
+    if not f.exists():
+        raise SystemExit(f"fixture {f} not found (regenerate it with "
+                         "python -m tools.make_fixtures --out tests/fixtures, or pass --fixture)")
+    return f
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,26 +12,17 @@ jax.config.update("jax_default_matmul_precision", "highest")
 os.environ["PACKED_SS_COMPILE_CACHE"] = "off"
 
 
-def _shared() -> Path:
-    env = os.environ.get("PACKED_SS_SHARED")
-    if env:
-        return Path(env)
-    here = Path(__file__).resolve()
-    for parent in here.parents:
-        if (parent / "shared" / "fixtures").is_dir():
-            return parent / "shared"
-        if (parent.parent / "shared" / "fixtures").is_dir():
-            return parent.parent / "shared"
-    return here.parents[2] / "shared"
-
-
-FIXTURES = _shared() / "fixtures"
+# The project's own fixture set, written by `python -m tools.make_fixtures --out tests/fixtures`.
+# (The independent external set is found by tests/external_set.py, for
+# tests/test_external_reference.py only.)
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 NEMOTRON = FIXTURES / "nemotron_tiny"
 
 
 def _fixture_dir(path: Path) -> Path:
     if not path.is_dir():
-        pytest.fail(f"fixture checkpoint not found at {path} (set PACKED_SS_SHARED)")
+        pytest.fail(f"fixture checkpoint not found at {path} "
+                    "(regenerate: python -m tools.make_fixtures --out tests/fixtures)")
     return path
 
 
