@@ -12,6 +12,7 @@ call, which serves N sequences at once.
 
     python -m benchmarks.batch_throughput                       # 1,2,4,8,16 x every schedule
     python -m benchmarks.batch_throughput --schedules ar --sizes 1,8 --json out.json
+    python -m benchmarks.batch_throughput --schedules ar,packed --sizes 1,8,32 --dtype bfloat16
 
 The speculative schedules already put 2B (Linear, Packed) or B(B+1) (Quadratic) rows in
 each call; a batch multiplies those rows by N, so on a compute-bound CPU their calls cost
@@ -44,10 +45,11 @@ def main(argv=None) -> int:
     p.add_argument("--capacity", type=int, default=128,
                    help="cache slots (bench sizes these prompts + 64 new tokens to 128)")
     p.add_argument("--repeats", type=int, default=1, help="keep the fastest of this many")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
 
-    model = ps.load()
+    model = ps.load(dtype=args.dtype)
     family = families.of(model.config)
     schedules = args.schedules.split(",") if args.schedules else list(family.schedules)
     sizes = [int(x) for x in args.sizes.split(",")]
@@ -76,7 +78,8 @@ def main(argv=None) -> int:
                   f"{row['time_per_call_ms']:.2f} |", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"model": "embedded (nld-tiny)", "task": "arithmetic", "prompts": args.prompts,
+            {"model": "embedded (nld-tiny)", "dtype": args.dtype, "task": "arithmetic",
+             "prompts": args.prompts,
              "max_new_tokens": args.max_new_tokens, "block_size": args.block_size,
              "capacity": args.capacity, "batching": args.batching, "rows": rows},
             indent=1) + "\n")

@@ -14,6 +14,8 @@ memory bandwidth): at batch size 1 a call can't be faster than reading every wei
         --quadratic-block-size 4 --batch 1,2,4,8,16  # ... and of batched decodes
     python benchmarks/gpu_timing.py --shapes embedded --products --batch 1,8,16
                                                      # the weight products alone, by rows
+    python benchmarks/gpu_timing.py --shapes 8B --cache-lengths 1024 --block-size 8,16,32 \
+        --quadratic-block-size 8,16,32               # every schedule at B = 8, 16 and 32
 
 `--products` times only the products of a call with the weights (every layer's q, k, v,
 o, gate, up and down projections and the head, chained as the forward chains them, none
@@ -58,19 +60,31 @@ def config(shape: str, dtype: str) -> ModelConfig:
                        llama4_scaling_beta=0.1, dtype=dtype, **SHAPES[shape])
 
 
-def calls(B: int, Bq: int, mask_id: int):
-    """(schedule, call layout, logits rows) as the engine makes them (tokens are arbitrary)."""
+def calls(B, Bq, mask_id: int):
+    """(schedule, call layout, logits rows) as the engine makes them (tokens are arbitrary).
+    `B` and `Bq` (Quadratic-SS) are block sizes, an int or a list each: AR's call, then
+    Linear-SS's and Packed-SS's calls at the i-th B followed by Quadratic-SS's at the i-th
+    Bq, for each i (so 8,16,32 and 8,16,32 time every schedule at each size in turn)."""
+    Bs, Bqs = ([b] if isinstance(b, int) else list(b) for b in (B, Bq))
     x, c = jnp.int32(1), jnp.int32(0)
-    d = jnp.full(B - 1, 2, jnp.int32)
-    dq = jnp.full(Bq - 1, 2, jnp.int32)
-    return [
-        ("ar (1 row)", layouts.single(x, c), None),
-        (f"linear draft ({B} rows)", layouts.draft_block(x, c, B, mask_id), jnp.arange(1, B)),
-        (f"linear verify ({B} rows)", layouts.verify(x, d, c), None),
-        (f"packed ({2 * B} rows)", layouts.packed(x, d, c, mask_id),
-         jnp.concatenate([jnp.arange(B), B + 1 + jnp.arange(B - 1)])),
-        (f"quadratic ({Bq * (Bq + 1)} rows, B={Bq})", layouts.quadratic(x, dq, c, mask_id), None),
-    ]
+    out = [("ar (1 row)", layouts.single(x, c), None)]
+    for i in range(max(len(Bs), len(Bqs))):
+        if i < len(Bs):
+            b = Bs[i]
+            d = jnp.full(b - 1, 2, jnp.int32)
+            out += [
+                (f"linear draft ({b} rows)", layouts.draft_block(x, c, b, mask_id),
+                 jnp.arange(1, b)),
+                (f"linear verify ({b} rows)", layouts.verify(x, d, c), None),
+                (f"packed ({2 * b} rows)", layouts.packed(x, d, c, mask_id),
+                 jnp.concatenate([jnp.arange(b), b + 1 + jnp.arange(b - 1)])),
+            ]
+        if i < len(Bqs):
+            b = Bqs[i]
+            dq = jnp.full(b - 1, 2, jnp.int32)
+            out.append((f"quadratic ({b * (b + 1)} rows, B={b})",
+                        layouts.quadratic(x, dq, c, mask_id), None))
+    return out
 
 
 def time_forward(forward, params, call, cache, cache_len, out_rows, repeat: int) -> float:
@@ -164,10 +178,14 @@ def square_rate(dtype, n: int = 1024, repeat: int = 10) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="3B,8B")
-    p.add_argument("--cache-lengths", default="1024,4096",
-                   help="KV buffer sizes (every call attends over the whole buffer)")
-    p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--quadratic-block-size", type=int, default=8)
+    p.add_argument("--cache-lengths", default=None,
+                   help="KV buffer sizes (every call attends over the whole buffer; default "
+                        "1024,4096, with --smoke 64,256)")
+    p.add_argument("--block-size", default=None,
+                   help="B of Linear-SS and Packed-SS, or several: 8,16,32 (default 32, with "
+                        "--smoke 4)")
+    p.add_argument("--quadratic-block-size", default=None,
+                   help="B of Quadratic-SS, or several (default 8, with --smoke 3)")
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--batch", default="1",
                    help="sequences per call, e.g. 1,2,4,8,16 (each call of a batched decode)")
@@ -182,9 +200,12 @@ def main(argv=None) -> int:
     dtype = args.dtype or ("bfloat16" if dev.platform == "gpu" else "float32")
     bw = args.bandwidth or next((v for k, v in BANDWIDTH.items() if k in kind), None)
     shapes = ["smoke"] if args.smoke else args.shapes.split(",")
-    lengths = [int(x) for x in args.cache_lengths.split(",")]
-    if args.smoke:
-        lengths = [64, 256]
+    # --smoke picks tiny sizes for whatever is not given.
+    lengths = _sizes(p, "--cache-lengths", args.cache_lengths or ("64,256" if args.smoke
+                                                                    else "1024,4096"))
+    block_sizes = _sizes(p, "--block-size", args.block_size or ("4" if args.smoke else "32"), 2)
+    quadratic_sizes = _sizes(p, "--quadratic-block-size",
+                             args.quadratic_block_size or ("3" if args.smoke else "8"), 2)
     print(f"device: {kind}, dtype {dtype}, peak bandwidth "
           f"{'unknown' if bw is None else f'{bw / 1e12:.2f} TB/s'}")
     try:
@@ -204,9 +225,7 @@ def main(argv=None) -> int:
         nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
         bound = nbytes / bw if bw else float("nan")
         for L in lengths:
-            for name, call, rows in calls(args.block_size if not args.smoke else 4,
-                                          args.quadratic_block_size if not args.smoke else 3,
-                                          c.mask_token_id):
+            for name, call, rows in calls(block_sizes, quadratic_sizes, c.mask_token_id):
                 for n in batches:
                     t = time_call(c, params, call, rows, L, args.repeat, n)
                     size = f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
@@ -215,6 +234,14 @@ def main(argv=None) -> int:
         del params
     print(f"\ntotal {time.monotonic() - t_start:.0f}s", file=sys.stderr)
     return 0
+
+
+def _sizes(p, flag: str, spec: str, minimum: int = 1) -> list[int]:
+    """'8,16,32' -> [8, 16, 32]; a usage error unless every size is an integer >= minimum."""
+    parts = [x.strip() for x in spec.split(",")]
+    if not all(x.isdigit() and int(x) >= minimum for x in parts):
+        p.error(f"{flag}: sizes must be integers >= {minimum}, got {spec!r}")
+    return [int(x) for x in parts]
 
 
 def _products_table(shapes, dtype, batches, repeat: int, rounds: int = 5) -> int:

@@ -303,3 +303,20 @@ def test_gpu_timing_smoke_prints_every_call(capsys):
     assert "GFLOP/s" in out.splitlines()[1]  # the rate of one large product, for reference
     assert [r.split("|")[2].strip() for r in out.splitlines() if r.startswith("| smoke")] == [
         "1", "2"]
+
+
+def test_gpu_timing_calls_at_several_block_sizes(capsys):
+    """Every schedule's calls at each B in turn (the GPU check times B = 8, 16, 32); each
+    call has the rows its name says."""
+    from benchmarks import gpu_timing
+
+    got = gpu_timing.calls([8, 16], [8, 16], mask_id=100)
+    assert [name for name, _, _ in got] == [
+        "ar (1 row)", "linear draft (8 rows)", "linear verify (8 rows)", "packed (16 rows)",
+        "quadratic (72 rows, B=8)", "linear draft (16 rows)", "linear verify (16 rows)",
+        "packed (32 rows)", "quadratic (272 rows, B=16)"]
+    for name, call, _ in got:
+        assert call.tokens.shape == (int(name.split("(")[1].split()[0]),)
+    with pytest.raises(SystemExit):
+        gpu_timing.main(["--smoke", "--block-size", "8,x"])
+    assert "--block-size" in capsys.readouterr().err
