@@ -784,12 +784,12 @@ def run(base: Base, seed: int, cases: range, workdir: Path, limit_s: float = 10.
 
 
 def fixture_path() -> Path:
-    """The project's fixture `.bin` (tests/fixtures, written by tools/make_fixtures.py)."""
+    """The project's fixture `.bin` (tests/fixtures, written by tools/fixtures)."""
     f = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "setdlm_tiny" / \
         "pytorch_model.bin"
     if not f.exists():
         raise SystemExit(f"fixture {f} not found (regenerate it with "
-                         "python -m tools.make_fixtures --out tests/fixtures, or pass --fixture)")
+                         "python -m tools.fixtures --out tests/fixtures, or pass --fixture)")
     return f
 
 

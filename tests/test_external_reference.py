@@ -1,7 +1,7 @@
 """Cross-check against the independent external reference set, where it is present.
 
 The tests run on the project's own fixtures (tests/fixtures, written by
-tools/make_fixtures.py). An external set made by other code from other seeds guards
+tools/fixtures). An external set made by other code from other seeds guards
 against the generator and the package sharing a mistake: its checkpoints are loaded with
 the package's loaders and every logits array of its `reference.npz` is reproduced
 through its whole-forward form (float32, precision "highest", atol 1e-4), and AR greedy

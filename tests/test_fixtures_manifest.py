@@ -113,7 +113,7 @@ def test_generator_reproduces_the_committed_files(manifest, tmp_path):
     if have != recorded:
         pytest.skip(f"the fixtures were made with {recorded}; installed: {have}")
     out = tmp_path / "fixtures"
-    proc = subprocess.run([sys.executable, "-m", "tools.make_fixtures", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "tools.fixtures", "--out", str(out),
                            "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     made = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
