@@ -1,18 +1,25 @@
 import os
 from pathlib import Path
 
-import jax
-import numpy as np
-import pytest
+# Compiling is most of the suite's time, and LLVM's unoptimised code generation takes
+# about a quarter off each compile. XLA's optimisation of the programs themselves (the HLO
+# that the structure tests read) is unchanged. Set before JAX starts its backend, and
+# inherited by the processes the tests start.
+os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
+                                                 "--xla_backend_optimization_level=0"]))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 # Parity needs true float32 products (TF32/bf16 passes move the fixture logits by ~1e-3).
 jax.config.update("jax_default_matmul_precision", "highest")
-# Programs compile in every test process (the compile-count tests count them); the
-# persistent cache has its own test, with its own directory.
+# Nothing from a user's persistent compilation cache: `run_compile_cache` gives the run one
+# of its own.
 os.environ["PACKED_SS_COMPILE_CACHE"] = "off"
 
 
-# The project's own fixture set, written by `python -m tools.make_fixtures --out tests/fixtures`.
+# The project's own fixture set, written by `python -m tools.fixtures --out tests/fixtures`.
 # (The independent external set is found by tests/external_set.py, for
 # tests/test_external_reference.py only.)
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -22,8 +29,37 @@ NEMOTRON = FIXTURES / "nemotron_tiny"
 def _fixture_dir(path: Path) -> Path:
     if not path.is_dir():
         pytest.fail(f"fixture checkpoint not found at {path} "
-                    "(regenerate: python -m tools.make_fixtures --out tests/fixtures)")
+                    "(regenerate: python -m tools.fixtures --out tests/fixtures)")
     return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def run_compile_cache(tmp_path_factory):
+    """One persistent compilation cache for the whole run, new with it: this process, the
+    processes it starts (command lines, servers) and pytest-xdist's other workers read a
+    program back from it instead of compiling it again. Every run still compiles each
+    distinct program once, as a user's first run does. Tests that count compiles turn it
+    off around themselves (`no_compile_cache`)."""
+    from packed_ss_jax import compile_cache
+
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "xla-cache"
+    # Small programs too: the tiny models' programs compile in about a second each.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["PACKED_SS_COMPILE_CACHE"] = str(path)
+    compile_cache.set_compile_cache(path)
+    yield path
+
+
+@pytest.fixture
+def no_compile_cache(run_compile_cache):
+    """No persistent cache during one test (for tests that count compiles)."""
+    from packed_ss_jax import compile_cache
+
+    compile_cache.set_compile_cache(None)
+    yield
+    compile_cache.set_compile_cache(run_compile_cache)
 
 
 @pytest.fixture(scope="session")
@@ -74,3 +110,15 @@ def setdlm(setdlm_dir):
     import packed_ss_jax as ps
 
     return ps.load(setdlm_dir)
+
+
+def pytest_collection_modifyitems(config, items):
+    import slow
+
+    slow.mark(items)
+    # On a whole-suite collection, a slow-list entry naming no test is a stale entry.
+    files = {p.name for p in Path(__file__).resolve().parent.glob("test_*.py")}
+    if files <= {i.path.name for i in items}:
+        stale = slow.unknown(items)
+        if stale:
+            raise pytest.UsageError(f"tests/slow.py names tests that do not exist: {stale}")

@@ -50,7 +50,7 @@ def test_second_process_reuses_compiled_programs(tmp_path):
           f"second {second['compile_s']:.2f}s (XLA {second['xla_s']:.2f}s)")
 
 
-def test_off_means_no_cache(tmp_path):
+def test_off_means_no_cache(tmp_path, no_compile_cache):
     import packed_ss_jax as ps
     from packed_ss_jax import compile_cache
 

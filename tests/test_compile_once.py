@@ -11,7 +11,7 @@ BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
 @pytest.fixture
-def compiles():
+def compiles(no_compile_cache):
     events = []
 
     def listener(name, *args, **kwargs):

@@ -19,7 +19,8 @@ TIMEOUT_S = 900
 
 
 def _child(checkpoint: str) -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    devices = "--xla_force_host_platform_device_count=8"
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {devices}",
                PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]),
                PACKED_SS_COMPILE_CACHE="off", JAX_PLATFORMS="cpu")
     proc = subprocess.Popen([sys.executable, str(HERE / "mesh_child.py"), checkpoint],

@@ -33,7 +33,8 @@ def test_two_processes_read_their_own_slices_and_give_one_process_tokens(nemotro
     want = ps.decode(ps.load(nemotron_dir), IDS, schedule="packed", max_new_tokens=12,
                      eos_id=None).tokens
     port = _free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    devices = "--xla_force_host_platform_device_count=2"
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {devices}",
                JAX_PLATFORMS="cpu", PACKED_SS_COMPILE_CACHE="off", PYTHONPATH=str(ROOT))
     argv = [sys.executable, "-m", "packed_ss_jax", "generate", "--model", str(nemotron_dir),
             "--ids", ",".join(map(str, IDS)), "--schedule", "packed", "--max-new-tokens", "12",

@@ -1,0 +1,142 @@
+"""Which tests are `slow`: outside the quick loop (`python -m pytest -q -m "not slow"`).
+
+The quick loop keeps, for every test function, at least one case that compiles and runs
+its programs, so every module of the package is exercised; what moves out are the
+further schedules, sampler settings, families and sizes of the same check, the
+statistical laws beyond one per family, and the checks that start whole processes (a mesh
+of simulated devices, two hosts, the GPU check). The whole suite (`python -m pytest -q`,
+what CI runs) runs them all.
+
+`SLOW` maps a test function ("file::name") to why it is slow and, for a parametrised
+test, the case ids that stay in the quick loop (an empty tuple: every case is slow).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+# (why, case ids kept in the quick loop); None: a test without cases, wholly slow.
+SLOW: dict[str, tuple[str, tuple[str, ...] | None]] = {
+    # Statistical laws: one chi-square test per family stays quick.
+    "test_sampling.py::test_follows_ar_distribution":
+        ("a chi-square law per schedule and sampler; Packed-SS at T=1 stays", ("packed-T=1",)),
+    "test_sampling.py::test_wrong_rules_are_caught": ("the law test's power, twice", ()),
+    "test_sampling.py::test_seed_reproduces_and_batch_matches_single":
+        ("a sampled batch program of every schedule", None),
+    "test_sampling.py::test_temperature_zero_is_greedy": ("one program per schedule", ("packed",)),
+    "test_setdlm_sampling.py::test_follows_serial_distribution":
+        ("a chi-square law per schedule and sampler; Packed at T=1 stays", ("packed-T=1",)),
+    "test_setdlm_sampling.py::test_always_accept_is_caught": ("the law test's power", None),
+    "test_setdlm_sampling.py::test_temperature_zero_is_greedy":
+        ("one program per schedule", ("packed",)),
+    "test_numerics.py::test_small_temperature_is_greedy":
+        ("every schedule at five temperatures", ()),
+    "test_numerics.py::test_setdlm_non_finite_weights_raise":
+        ("every schedule with broken weights (Nemotron's twin stays)", None),
+    "test_numerics.py::test_nemotron_non_finite_weights_raise":
+        ("every schedule with broken weights (the loop's finite check stays, with"
+         " test_non_finite_logits_still_give_vocabulary_ids)", None),
+    "test_numerics.py::test_fixture_small_temperature_is_greedy":
+        ("a sampled program of the fixture (the tiny models' check stays)", None),
+    # Exactness over more schedules, widths and families than one.
+    "test_greedy_exactness.py::test_speculative_equals_ar":
+        ("a property search over random models, widths and lengths", None),
+    "test_greedy_exactness.py::test_fixture_greedy_continuation":
+        ("one program per schedule and width", ("3-packed", "3-linear")),
+    "test_greedy_exactness.py::test_fixture_with_draft_adapter":
+        ("one program per schedule", ("packed",)),
+    "test_batched.py::test_batch_equals_each_prompt_alone":
+        ("a batched program per schedule, sampler and family",
+         ("nemotron-packed-ltr-0.0", "setdlm-packed-ltr-0.0")),
+    "test_batched.py::test_batch_mixes_prompt_buckets": ("a second bucket's programs", ()),
+    "test_batched.py::test_bench_batches_give_each_prompts_tokens":
+        ("the bench's batched path over several schedules", None),
+    "test_batched.py::test_continuous_batching_gives_each_prompts_tokens":
+        ("a queue per family and sampler", ("setdlm-0.0",)),
+    "test_chunked.py::test_chunks_are_the_one_shot_decode":
+        ("chunk programs per schedule and family",
+         ("nemotron-packed-0.0-ltr", "setdlm-packed-0.0-ltr")),
+    "test_stream.py::test_stop_sequences_end_the_output_at_the_earliest":
+        ("stop markers per schedule and family", ("nemotron-packed", "setdlm-packed")),
+    "test_one_engine.py::test_every_schedule_runs_from_the_cli":
+        ("every schedule through the CLI", ("nemotron-packed", "setdlm-serial")),
+    "test_one_engine.py::test_bench_runs_a_setdlm_checkpoint":
+        ("a whole bench of a SetDLM checkpoint", None),
+    "test_one_engine.py::test_vmapped_decoder_equals_decode_per_prompt":
+        ("a vmapped program per family and sampler", ("greedy-setdlm",)),
+    "test_embedded_model.py::test_all_schedules_return_ar_greedy_tokens":
+        ("every schedule of the embedded model on its prompts", None),
+    "test_embedded_setdlm.py::test_ltr_schedules_return_serial_greedy_and_drafts_are_accepted":
+        ("every schedule of the embedded SetDLM model on its prompts", None),
+    "test_theorem_3_2.py::test_packed_never_needs_more_calls_than_linear":
+        ("the bound at three widths", ("4",)),
+    "test_theorem_3_2.py::test_bound_holds_with_eos_stopping": ("a third set of programs", None),
+    "test_reference_loop.py::test_first_call_alone": ("one program per schedule", ("packed",)),
+    "test_setdlm_decode.py::test_ltr_is_the_serial_greedy_output":
+        ("one program per schedule and width", ("packed-3", "serial-1")),
+    "test_setdlm_decode.py::test_confidence_order_is_the_serial_reference":
+        ("one program per schedule and width", ("packed-3",)),
+    "test_compile_once.py::test_second_decode_does_not_recompile":
+        ("a fresh compile per schedule", ("packed",)),
+    # Programs whose structure is checked at more dtypes and layouts than one.
+    "test_cache_in_place.py::test_decode_loop_never_copies_the_cache":
+        ("a sampled program per schedule (the greedy ones share other tests' programs)",
+         ("greedy-ar", "greedy-linear", "greedy-quadratic", "greedy-packed", "t1-packed")),
+    "test_cache_in_place.py::test_bf16_decode_loop_never_copies_the_cache":
+        ("bf16 programs per schedule", ("packed",)),
+    "test_cache_in_place.py::test_setdlm_bf16_loop_never_copies_the_cache":
+        ("SetDLM's bf16 program (its float32 twin stays)", None),
+    "test_bf16_3b_programs.py::test_loop_carries_no_float32_weights":
+        ("a 3B program compiled per schedule", ("packed",)),
+    "test_bf16_3b_programs.py::test_memory_analysis": ("AR's 3B program", ("packed",)),
+    "test_bf16_3b_programs.py::test_cache_written_in_place": ("AR's 3B program", ("packed",)),
+    "test_bf16_3b_programs.py::test_attention_reads_live_chunks": ("AR's 3B program", ("packed",)),
+    "test_parity_bf16.py::test_cached_route": ("the cached route's programs in bf16", ()),
+    "test_params_layout.py::test_both_layouts_compute_the_same_cached_forward":
+        ("a cached forward in both layouts", None),
+    # Whole processes and whole tools.
+    "test_mesh.py::test_meshes_give_one_devices_tokens_on_the_fixture":
+        ("a process with 8 simulated devices compiling every mesh's programs", None),
+    "test_mesh.py::test_meshes_give_one_devices_tokens_on_the_embedded_model":
+        ("a process with 8 simulated devices compiling every mesh's programs", None),
+    "test_multihost.py::test_two_processes_read_their_own_slices_and_give_one_process_tokens":
+        ("two processes joined as two hosts", None),
+    "test_gpu_check.py::test_smoke_run_without_the_packages_the_gpu_image_lacks":
+        ("every step of the GPU check, each in its own process", None),
+    "test_benchmarks.py::test_doubled_model_decodes_identically_with_twice_the_forwards":
+        ("every schedule, twice", None),
+    "test_benchmarks.py::test_probe_picks_fastest_block_size": ("a probe over block sizes", None),
+    "test_benchmarks.py::test_batching_benchmarks_run_on_short_queues":
+        ("both batching benchmarks end to end", None),
+    "test_benchmarks.py::test_gpu_timing_smoke_prints_every_call":
+        ("every schedule's call timed", None),
+    "test_convert_safety.py::test_interrupts_leave_complete_output_or_none":
+        ("conversions interrupted at many points", None),
+    "test_training.py::test_losses_fall_and_export_reloads_identically": ("a training run", None),
+    "test_setdlm_training.py::test_setdlm_losses_fall_and_export_reloads_identically":
+        ("a training run", None),
+}
+
+
+def mark(items) -> None:
+    """Marks the slow items of a collection (pytest_collection_modifyitems)."""
+    for item in items:
+        name = f"{item.path.name}::{item.originalname}"
+        if name not in SLOW:
+            continue
+        kept = SLOW[name][1]
+        case = getattr(item, "callspec", None)
+        if kept is None or case is None or case.id not in kept:
+            item.add_marker(pytest.mark.slow)
+
+
+def unknown(items) -> list[str]:
+    """Entries of SLOW (or their kept cases) that name nothing collected: a renamed test
+    must not drop out of the list unnoticed."""
+    seen = {(f"{i.path.name}::{i.originalname}", getattr(getattr(i, "callspec", None), "id", None))
+            for i in items}
+    names = {n for n, _ in seen}
+    missing = [n for n in SLOW if n not in names]
+    for n, (_, kept) in SLOW.items():
+        missing += [f"{n}[{k}]" for k in kept or () if (n, k) not in seen]
+    return missing
