@@ -32,7 +32,7 @@ SLOW: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "test_numerics.py::test_small_temperature_is_greedy":
         ("every schedule at five temperatures", ()),
     "test_numerics.py::test_setdlm_non_finite_weights_raise":
-        ("every schedule with broken weights (Nemotron's twin stays)", None),
+        ("every schedule with broken weights", None),
     "test_numerics.py::test_nemotron_non_finite_weights_raise":
         ("every schedule with broken weights (the loop's finite check stays, with"
          " test_non_finite_logits_still_give_vocabulary_ids)", None),
