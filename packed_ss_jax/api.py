@@ -67,15 +67,17 @@ def is_batch(prompt) -> bool:
             and not any(requests.is_int(p) for p in prompt))
 
 
-def chat_prompt(model, messages, chat_template_kwargs: Mapping | None = None) -> list[int]:
+def chat_prompt(model, messages, chat_template_kwargs: Mapping | None = None, *,
+                time_limit: float | None = None, max_chars: int | None = None) -> list[int]:
     """The prompt ids of a conversation: the model's chat template (see chat.py) rendered
-    with the generation prompt, tokenized without adding special tokens."""
+    with the generation prompt, within `time_limit` seconds and `max_chars` characters
+    (None: chat.py's defaults), tokenized without adding special tokens."""
     if getattr(model, "tokenizer", None) is None:
         raise InputError("messages need a tokenizer, and this model has none")
-    kwargs = dict(chat_template_kwargs or {})
+    kwargs = chat.template_kwargs(chat_template_kwargs)
     kwargs.setdefault("add_generation_prompt", True)
-    text = chat.of(model).render(messages, **kwargs)
-    return model.tokenizer.encode(text, add_special_tokens=False).ids
+    text = chat.of(model, time_limit=time_limit, max_chars=max_chars).render(messages, **kwargs)
+    return requests.encode(model.tokenizer, text, add_special_tokens=False)
 
 
 def _prompt(model, prompt, messages, chat_template_kwargs):
@@ -172,13 +174,23 @@ def decode_continuous(model, prompts: Sequence, *, slots: int = 8, every: int = 
     `every` iterations). Returns (one DecodeResult per prompt, in order, each what that
     prompt decoded alone gives; `continuous.Stats`, with the host round trips' share of
     wall time). The other arguments are `decode`'s.
+
+    `prompts` is a list (or any iterable, read once) of prompts, never one string: pass
+    [prompt] for one. At most one slot per prompt is used, and the slots' decode state
+    (their KV caches) must fit in the free memory, which is checked before anything is
+    allocated.
     """
-    slots = requests.integer(slots, "slots", 1)
-    every = requests.integer(every, "every", 1)
+    slots = requests.integer(slots, "slots", 1, requests.INT32_MAX, "slot indices are int32")
+    every = requests.integer(every, "every", 1, requests.INT32_MAX,
+                             "the loop counts iterations in int32")
     model, family, batch = _batch(
-        model, config, prompts, seed, block_size, window, schedule=schedule, order=order,
-        temperature=temperature, top_k=top_k, top_p=top_p, cache_size=cache_size,
+        model, config, prompts, seed, block_size, window, sequences=slots, schedule=schedule,
+        order=order, temperature=temperature, top_k=top_k, top_p=top_p, cache_size=cache_size,
         max_new_tokens=max_new_tokens, eos_id=eos_id, stop_sequences=stop_sequences)
+    # A slot past the prompts would never hold one (and would cost its cache); no
+    # request runs more than max_new_tokens + 1 iterations, so a larger `every` is that.
+    slots = min(slots, len(batch.requests))
+    every = min(every, batch.requests[0].max_new + 1)
     return continuous.decode_queue(model, family, batch, slots, every)
 
 
@@ -186,7 +198,7 @@ def _batch(model, config, prompts, seed, block_size, window, **options):
     """(model, family, the checked batch) of a list of prompts (`engine.prepare_batch`)."""
     model = as_model(model, config)
     family = families.of(model.config)
-    batch = engine.prepare_batch(model, family, list(prompts), seed=seed,
+    batch = engine.prepare_batch(model, family, prompts, seed=seed,
                                  width=_width(family, block_size, window), **options)
     return model, family, batch
 

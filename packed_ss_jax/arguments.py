@@ -10,8 +10,15 @@ a bad value while parsing, before any work.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
+import ipaddress
 import math
+import os
+import re
+import socket
 import sys
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -34,9 +41,13 @@ def _expected() -> tuple[type[BaseException], ...]:
     from .checkpoints.errors import CheckpointError
     from .config import ConfigError
     from .checkpoints.store import DestinationError
+    from .engine import NonFiniteError
     from .requests import InputError
 
-    return UsageError, InputError, ConfigError, CheckpointError, DestinationError, OSError
+    # NonFiniteError: a checkpoint whose numbers overflow to NaN/Inf is a bad input, not a
+    # bug of the package; the message says where decoding stopped.
+    return (UsageError, InputError, ConfigError, CheckpointError, DestinationError,
+            NonFiniteError, OSError)
 
 
 def _one_line(e: BaseException) -> str:
@@ -48,9 +59,15 @@ def _one_line(e: BaseException) -> str:
     return "; ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
+# The running command's name, for the one error line that does not come back through
+# `run_command`: the missing-peer deadline, which ends the process from another thread.
+_running = {"prog": "packed-ss"}
+
+
 def run_command(prog: str, body: Callable[[list[str] | None, str], int],
                 argv: list[str] | None) -> int:
     """Runs `body(argv, prog)`; expected failures become one line on stderr and status 2."""
+    outer, _running["prog"] = _running["prog"], prog
     try:
         return body(argv, prog)
     except _expected() as e:
@@ -60,32 +77,41 @@ def run_command(prog: str, body: Callable[[list[str] | None, str], int],
         # SIGTERM during a conversion arrives as `Interrupted`, which knows its signal.
         print(f"{prog}: {e or 'interrupted'}", file=sys.stderr)
         return getattr(e, "exit_status", 130)
+    finally:
+        _running["prog"] = outer
 
 
 # --- argument types: a bad value is refused while parsing, before any work ----------------------
 
-def int_at_least(minimum: int) -> Callable[[str], int]:
+def _shown(text: str, limit: int = 40) -> str:
+    """`text` as an error message quotes it: a 5000-digit number is cut short."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def _integer(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:  # also past Python's 4300-digit limit
+        return None
+
+
+def int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    what = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"must be an integer >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        value = _integer(text)
+        if value is None or value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"must be an integer {what}, got {_shown(text)}")
         return value
 
-    parse.__name__ = f"integer >= {minimum}"
+    parse.__name__ = f"integer {what}"
     return parse
 
 
 def seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value < 2**32:
-        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**32), got {text!r}")
+    value = _integer(text)
+    if value is None or not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**32), got {_shown(text)}")
     return value
 
 
@@ -95,7 +121,7 @@ def _number(text: str, ok: Callable[[float], bool], what: str) -> float:
     except ValueError:
         value = math.nan
     if not ok(value):  # NaN fails every check
-        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be {what}, got {_shown(text)}")
     return value
 
 
@@ -107,15 +133,78 @@ def probability(text: str) -> float:
     return _number(text, lambda v: 0 < v <= 1, "in (0, 1]")
 
 
+def seconds(text: str) -> float:
+    """A time limit: a finite number of seconds > 0."""
+    return _number(text, lambda v: math.isfinite(v) and 0 < v <= 86400,
+                   "a number of seconds in (0, 86400]")
+
+
+MAX_TOKEN_ID = 2**31 - 1  # ids are int32 on the device
+
+
 def token_ids(text: str) -> list[int]:
     parts = text.replace(",", " ").split()
     if not parts:
         raise argparse.ArgumentTypeError("no token ids given")
+    ids = [_integer(t) for t in parts]
+    if any(i is None or not 0 <= i <= MAX_TOKEN_ID for i in ids):
+        raise argparse.ArgumentTypeError(f"must be integers in [0, 2**31) (e.g. '1,17,42'), "
+                                         f"got {_shown(text)}")
+    return ids
+
+
+def text(value: str) -> str:
+    """Command-line text (a prompt, a stop marker, a system message). Python decodes argv
+    with surrogateescape, so bytes that are not UTF-8 arrive as lone surrogates, which no
+    tokenizer takes: refused here rather than deep inside the tokenizer."""
+    from .requests import InputError, text as checked
+
     try:
-        return [int(t) for t in parts]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be integers (e.g. '1,17,42'), got {text!r}") from None
+        return checked(value, "the value")
+    except InputError as e:
+        raise argparse.ArgumentTypeError(f"{e}; the command line must be UTF-8") from None
+
+
+# Bounds of the multi-host arguments: JAX takes the count as int32 and allocates per
+# process (2**31 - 1 processes hang it), far more than any real run.
+MAX_PROCESSES = 2**16
+COORDINATOR_TIMEOUT_S = 60.0
+
+
+# A host name or IPv4 address (ASCII letters, digits, '.', '-', '_'), or an IPv6 address in
+# brackets. Anything else is refused before JAX sees it: gRPC crashes on some of it.
+_HOST_NAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9._-]{0,251}[A-Za-z0-9_])?")
+_IPV6 = re.compile(r"\[([0-9A-Fa-f:.]{2,45}(%[A-Za-z0-9_.-]{1,64})?)\]")  # zone: an interface
+_PORT = re.compile(r"[0-9]{1,5}")
+
+
+def _address_problem(host: str, port: str) -> str | None:
+    if not host:
+        return "the host is empty"
+    if host.startswith("[") and host.endswith("]"):
+        match = _IPV6.fullmatch(host)
+        try:
+            ipaddress.IPv6Address(match[1] if match else "")
+        except ValueError:
+            return f"{_shown(host)} is not an IPv6 address in brackets"
+    elif ":" in host:
+        return "an IPv6 host goes in brackets, e.g. [::1]:1234"
+    elif not _HOST_NAME.fullmatch(host):
+        return f"{_shown(host)} is not a host name or IPv4 address"
+    if not _PORT.fullmatch(port) or not 1 <= int(port) <= 65535:
+        return "the port must be an integer in [1, 65535]"
+    return None
+
+
+def coordinator(value: str) -> str:
+    """--coordinator HOST:PORT (IPv6: [ADDR]:PORT), as JAX takes it (the port without
+    leading zeros)."""
+    host, colon, port = value.rpartition(":")
+    problem = _address_problem(host, port) if colon else \
+        "must be HOST:PORT (e.g. 10.0.0.1:1234 or [::1]:1234)"
+    if problem:
+        raise argparse.ArgumentTypeError(f"{_shown(value)}: {problem}")
+    return f"{host}:{int(port)}"
 
 
 # --- model and width arguments, shared by the commands that decode -------------------------------
@@ -136,7 +225,7 @@ def model_args(p: Parser) -> None:
                    "float32 on GPUs); highest: full float32 products")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the checksum check of a converted --model (faster load)")
-    p.add_argument("--compile-cache", metavar="DIR|off", default=None,
+    p.add_argument("--compile-cache", metavar="DIR|off", type=text, default=None,
                    help="where compiled programs are kept between runs (default: "
                         "$PACKED_SS_COMPILE_CACHE, else ~/.cache/packed_ss_jax/xla); off: "
                         "none")
@@ -144,12 +233,18 @@ def model_args(p: Parser) -> None:
                    help="decode on a mesh of D x M devices (every device of every process): "
                         "sequences split over data, tensor-parallel over model (default: one "
                         "device)")
-    p.add_argument("--coordinator", metavar="HOST:PORT", default=None,
-                   help="several hosts: the address of process 0 (jax.distributed)")
-    p.add_argument("--num-processes", type=int_at_least(1), default=None,
+    p.add_argument("--coordinator", metavar="HOST:PORT", type=coordinator, default=None,
+                   help="several hosts: the address of process 0 (jax.distributed); an "
+                        "IPv6 address in brackets, [ADDR]:PORT")
+    p.add_argument("--num-processes", type=int_at_least(1, MAX_PROCESSES), default=None,
                    help="several hosts: how many processes take part")
-    p.add_argument("--process-id", type=int_at_least(0), default=None,
+    p.add_argument("--process-id", type=int_at_least(0, MAX_PROCESSES - 1), default=None,
                    help="several hosts: this process's index, 0 .. num-processes - 1")
+    p.add_argument("--coordinator-timeout", metavar="SECONDS", type=seconds,
+                   default=COORDINATOR_TIMEOUT_S,
+                   help=f"several hosts: how long a process waits for all of them to join "
+                        f"before it gives up with an error (default "
+                        f"{COORDINATOR_TIMEOUT_S:g} s)")
 
 
 def mesh_spec(text: str) -> dict:
@@ -164,7 +259,8 @@ def mesh_spec(text: str) -> dict:
 def distributed(args) -> None:
     """Joins the processes of a multi-host run (`--coordinator`, `--num-processes`,
     `--process-id`) before anything touches a device; every process runs the same
-    command line with its own --process-id."""
+    command line with its own --process-id. A process whose peers have not all joined
+    within --coordinator-timeout ends with one error line and status 2."""
     given = [args.coordinator, args.num_processes, args.process_id]
     if all(x is None for x in given):
         return
@@ -177,10 +273,62 @@ def distributed(args) -> None:
 
     if jax.distributed.is_initialized():  # joined already (a command may ask twice)
         return
+    if args.process_id == 0:
+        _check_port_free(args.coordinator)
     # CPU devices of several processes talk through gloo (GPUs use NCCL whatever this says).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
-                               process_id=args.process_id)
+    timeout = getattr(args, "coordinator_timeout", COORDINATOR_TIMEOUT_S)
+    late = (f"{_running['prog']}: error: not all {args.num_processes} processes joined at "
+            f"--coordinator {args.coordinator} within {timeout:g} s (this is --process-id "
+            f"{args.process_id}): start every process, each with its own --process-id, "
+            f"or raise --coordinator-timeout")
+    with _deadline(timeout, late):
+        try:
+            # JAX's own timeout is the watchdog's backstop only: when it expires JAX aborts
+            # the process with a native stack dump.
+            jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
+                                       process_id=args.process_id,
+                                       initialization_timeout=math.ceil(timeout) + 30)
+        except RuntimeError as e:  # e.g. called after JAX started its backend
+            raise UsageError(f"cannot join the processes: {e}") from None
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float, message: str):
+    """Ends the process with `message` and status 2 if the block has not finished within
+    `seconds`. The block is a native call that keeps the main thread (JAX's join), so no
+    exception can reach it: a thread writes the line and exits the process itself."""
+    done = threading.Event()
+
+    def expire():
+        if not done.wait(seconds):
+            sys.stderr.write(message + "\n")
+            sys.stderr.flush()
+            os._exit(2)
+
+    threading.Thread(target=expire, name="coordinator-deadline", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def _check_port_free(address: str) -> None:
+    """Process 0 serves the coordinator on every interface at the address's port; gRPC
+    crashes the process (no error) if that port is taken, so it is tried first."""
+    port = int(address.rpartition(":")[2])
+    for family, anywhere in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                # As a server binds: a port in TIME_WAIT is free, one in use is not.
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((anywhere, port))
+            return
+        except OSError as e:
+            if e.errno in (errno.EADDRINUSE, errno.EACCES):
+                raise UsageError(f"--coordinator {address}: process 0 cannot serve on port "
+                                 f"{port} ({e.strerror}); choose another port") from None
+            # Anything else (no IPv6 here): the next family, else JAX finds out itself.
 
 
 def load_model(args, lora: bool | None = None):

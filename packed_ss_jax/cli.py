@@ -7,13 +7,16 @@ are one line on stderr and exit status 2 (see arguments.py).
 
 from __future__ import annotations
 
+import argparse
+import os
 import re
 import sys
 from pathlib import Path
 
 from . import families
 from .arguments import (Parser, UsageError, int_at_least, load_model, model_args, probability,
-                        run_command, seed, temperature, token_ids, width_args, width_of)
+                        run_command, seconds, seed, temperature, text, token_ids, width_args,
+                        width_of)
 
 
 # --- commands -------------------------------------------------------------------------------------
@@ -66,9 +69,13 @@ def _table(results) -> str:
     return "\n".join(rows)
 
 
-def stop_marker(text: str):
-    """A --stop value: token ids ("13" or "13,13") or text."""
-    return token_ids(text) if re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", text) else text
+def stop_marker(value: str):
+    """A --stop value: token ids ("13" or "13,13") or text (UTF-8)."""
+    if not value:
+        raise argparse.ArgumentTypeError("empty: a stop marker needs at least one character")
+    if re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", value):
+        return token_ids(value)
+    return text(value)
 
 
 def _generate(argv: list[str] | None, prog: str) -> int:
@@ -77,7 +84,8 @@ def _generate(argv: list[str] | None, prog: str) -> int:
         description="Decoding with Packed-SS (default), one other schedule or all of a "
                     "family's schedules; greedy unless --temperature > 0. Without --model it "
                     "runs the small model shipped with the package.")
-    p.add_argument("prompt", nargs="?", default=None, help="prompt text (needs a tokenizer)")
+    p.add_argument("prompt", nargs="?", type=text, default=None,
+                   help="prompt text (needs a tokenizer)")
     p.add_argument("--ids", type=token_ids,
                    help="prompt as token ids, e.g. '1,17,42' (instead of text)")
     model_args(p)
@@ -92,7 +100,8 @@ def _generate(argv: list[str] | None, prog: str) -> int:
     p.add_argument("--chat", action="store_true",
                    help="the prompt is a user message: render it with the checkpoint's chat "
                         "template (and --system)")
-    p.add_argument("--system", default=None, help="with --chat: a system message first")
+    p.add_argument("--system", type=text, default=None,
+                   help="with --chat: a system message first")
     p.add_argument("--no-thinking", action="store_true",
                    help="with --chat: pass enable_thinking=False to the template")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=64)
@@ -168,24 +177,55 @@ def generate_main(argv: list[str] | None = None, prog: str = "packed-ss generate
 
 
 def _serve(argv: list[str] | None, prog: str) -> int:
+    from .http_guard import Limits
+
+    d = Limits()
     p = Parser(prog=prog,
                description="Serve a model over an OpenAI-compatible HTTP API (/v1/models, "
-                           "/v1/completions, /v1/chat/completions, /health) until Ctrl-C.")
+                           "/v1/completions, /v1/chat/completions, /health) until Ctrl-C or "
+                           "SIGTERM, which drain the requests in flight.")
     model_args(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1, this machine only)")
-    p.add_argument("--port", type=int_at_least(0), default=8000)
+    p.add_argument("--port", type=int_at_least(0), default=8000,
+                   help="port (default 8000; 0: any free port, printed at startup)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients ask for (default: the checkpoint's folder name)")
     p.add_argument("--schedule", default="packed", choices=families.all_schedules(),
                    help="decoding schedule (default packed)")
     width_args(p)
+    p.add_argument("--api-key", default=os.environ.get("PACKED_SS_API_KEY"),
+                   help="clients must send 'Authorization: Bearer KEY' (default: "
+                        "$PACKED_SS_API_KEY; none: no key)")
+    p.add_argument("--max-body-bytes", type=int_at_least(1024), default=d.max_body_bytes,
+                   help=f"larger request bodies get 413 (default {d.max_body_bytes})")
+    p.add_argument("--max-connections", type=int_at_least(1), default=d.max_connections,
+                   help=f"connections past this get 503 (default {d.max_connections})")
+    p.add_argument("--header-timeout", type=seconds, default=d.header_timeout_s,
+                   help="seconds a connection has to send a request's headers "
+                        f"(default {d.header_timeout_s:g})")
+    p.add_argument("--body-timeout", type=seconds, default=d.body_timeout_s,
+                   help=f"seconds a request's body may take (default {d.body_timeout_s:g})")
+    p.add_argument("--prepare-timeout", type=seconds, default=d.prepare_timeout_s,
+                   help="seconds to render a chat template and tokenize a request "
+                        f"(default {d.prepare_timeout_s:g})")
+    p.add_argument("--drain-timeout", type=seconds, default=d.drain_timeout_s,
+                   help="on SIGTERM/Ctrl-C, seconds requests in flight get to finish "
+                        f"(default {d.drain_timeout_s:g})")
+    p.add_argument("--docs", action="store_true",
+                   help="serve the interactive API docs at /docs and /openapi.json")
     args = p.parse_args(argv)
     if args.port > 65535:
         p.error(f"--port must be at most 65535, got {args.port}")
+    if args.api_key is not None and not args.api_key.strip():
+        p.error("--api-key is empty")
 
-    from .server import model_name, serve
+    from .server import bind, create_app, is_loopback, model_name, serve
 
+    limits = Limits(max_body_bytes=args.max_body_bytes, max_connections=args.max_connections,
+                    header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                    prepare_timeout_s=args.prepare_timeout,
+                    drain_timeout_s=args.drain_timeout, api_key=args.api_key, docs=args.docs)
     model = load_model(args)
     family = families.of(model.config)
     if args.schedule not in family.schedules:
@@ -193,10 +233,28 @@ def _serve(argv: list[str] | None, prog: str) -> int:
                          f"{', '.join(family.schedules)}")
     width = width_of(args, family)
     name = args.served_model_name or model_name(args.model)
-    print(f"serving {name} on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)",
+    app = create_app(model, name, schedule=args.schedule, limits=limits,
+                     width=None if width is None else {family.width_name: width})
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as e:
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: "
+                         f"{e.strerror or e}") from None
+    port = sock.getsockname()[1]
+    if args.api_key is None and not is_loopback(args.host):
+        print(f"warning: serving on {args.host} without --api-key: anyone who can reach "
+              f"port {port} can use this server", file=sys.stderr, flush=True)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"serving {name} on http://{host}:{port}/v1 (Ctrl-C to stop)",
           file=sys.stderr, flush=True)
-    serve(model, name=name, host=args.host, port=args.port, schedule=args.schedule,
-          width=None if width is None else {family.width_name: width})
+    ended = serve(app, sock, limits)
+    print(f"{prog}: stopped", file=sys.stderr, flush=True)
+    if not ended:  # a compile or a tokenizer run cannot be interrupted: leave without it
+        from .template_render import shutdown
+
+        shutdown()  # the template worker (os._exit skips the exit hooks that stop it)
+        sys.stdout.flush()
+        os._exit(0)
     return 0
 
 

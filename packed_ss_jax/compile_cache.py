@@ -9,6 +9,11 @@ moves it; `set_compile_cache(path | None)` (CLI: `--compile-cache DIR|off`) does
 for the process and wins over the environment. A cache directory the user configured in
 JAX itself (`jax_compilation_cache_dir`) is left as it is.
 
+Whoever can write to the cache directory can put code in every later process, so a
+directory is used only if it is this user's own and nobody else can write to it or swap
+it (see `_distrust`); otherwise the process compiles without the persistent cache, with
+one warning naming the directory and the fix.
+
 It is JAX's cache, so it covers every program of the process, the user's own included.
 JAX stores only programs that took at least `jax_persistent_cache_min_compile_time_secs`
 (1 s by default) to compile.
@@ -16,7 +21,9 @@ JAX stores only programs that took at least `jax_persistent_cache_min_compile_ti
 
 from __future__ import annotations
 
+import logging
 import os
+import stat
 from pathlib import Path
 
 import jax
@@ -26,6 +33,8 @@ ENV = "PACKED_SS_COMPILE_CACHE"
 OFF = ("", "0", "off", "none", "false", "no")
 
 _state = {"configured": False, "explicit": None, "dir": None}
+_warned: set[str] = set()  # directories refused already: one warning each per process
+log = logging.getLogger(__name__)
 
 
 def default_dir() -> Path:
@@ -59,9 +68,57 @@ def ensure() -> Path | None:
             path.mkdir(parents=True, exist_ok=True, mode=0o700)
         except OSError:
             path = None  # an unwritable place: compile as if there were no cache
+        else:
+            path = _trusted(path)
     jax_cache.set_cache_dir(None if path is None else str(path))
     # JAX decides once per process whether it uses the cache, at its first compile, which
     # may have happened before (loading a model compiles small programs): ask again.
     jax_cache.reset_cache()
     _state["dir"] = path
     return path
+
+
+def _trusted(path: Path) -> Path | None:
+    """`path`'s real directory if it may hold compiled programs, else None (with one
+    warning). JAX gets the real directory, so a symbolic link swapped later does not move
+    this process's cache."""
+    try:
+        real = Path(os.path.realpath(path))
+        problem = _distrust(real)
+    except OSError as e:
+        problem = f"cannot be checked ({e.strerror or e})", None
+    if problem is None:
+        return real
+    if str(path) not in _warned:
+        _warned.add(str(path))
+        what, fix = problem
+        other = f"choose {'another' if fix else 'a'} directory of your own with " \
+                f"--compile-cache or ${ENV}"
+        log.warning(f"packed_ss_jax: not using the compile cache {str(path)!r}: it {what} "
+                    f"(fix: {f'{fix}, or {other}' if fix else other}); compiling without it")
+    return None
+
+
+def _distrust(real: Path) -> tuple[str, str | None] | None:
+    """Why the directory `real` (symbolic links resolved) must not hold compiled programs,
+    and the fix (None: another directory); None if it may."""
+    if not hasattr(os, "geteuid"):  # no POSIX owners and modes to check
+        return None
+    try:
+        str(real).encode("utf-8")
+    except UnicodeEncodeError:  # JAX takes the directory as UTF-8 text
+        return "is not a UTF-8 path", None
+    info, me = real.stat(), os.geteuid()
+    if not stat.S_ISDIR(info.st_mode):
+        return "is not a directory", None
+    if info.st_uid != me:
+        return f"is owned by user {info.st_uid}, not by this user ({me})", None
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return "is writable by group or others", f"chmod go-w {real}"
+    # Whoever can write to a parent can rename the directory and put their own in its
+    # place, unless the parent is sticky (as /tmp is).
+    for parent in real.parents:
+        mode = parent.stat().st_mode
+        if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+            return f"is inside {parent}, which anyone can write to", f"chmod o-w {parent}"
+    return None

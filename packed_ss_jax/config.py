@@ -25,6 +25,39 @@ class ConfigError(ValueError):
     """A config.json that cannot describe a supported model."""
 
 
+class FieldError(ConfigError):
+    """A ModelConfig field out of its range. `problem` may name other fields as "{0}",
+    "{1}", ... (`refs`), so that a config.json reader can say the field names its file
+    uses (see `_build`)."""
+
+    def __init__(self, field: str, problem: str, refs: tuple[str, ...] = ()):
+        self.field, self.problem, self.refs = field, problem, refs
+        super().__init__(f"config field {field} {self.describe(str)}")
+
+    def describe(self, name) -> str:
+        """The problem, each referenced field spelled by `name(field)`."""
+        text = self.problem
+        for i, ref in enumerate(self.refs):
+            text = text.replace(f"{{{i}}}", name(ref))
+        return text
+
+
+# Sizes, token ids and positions are int32 in every program (and in NumPy's shapes long
+# before they would overflow int64); a larger integer is refused here, not by XLA.
+INT_MAX = 2 ** 31 - 1
+# Every float of a config ends up in a float32 computation: beyond this it is Inf.
+FLOAT_MAX = float(np.finfo(np.float32).max)
+# rms_norm_eps below this rounds to 0 (or a subnormal flushed to 0) in float32, and an
+# all-zero row then normalises to NaN.
+FLOAT_TINY = float(np.finfo(np.float32).tiny)
+# The smallest block (Nemotron: B = W + 1 >= 2) or window (SetDLM: W >= 1) each family's
+# schedules run with; `families.Family.min_width` says the same.
+MIN_BLOCK = {"nemotron": 2, "setdlm": 1}
+ROPE_TYPES = ("default", "yarn")
+# The names of `model.MATMUL_PRECISIONS` (which maps them to JAX's precisions).
+MATMUL_PRECISION_NAMES = ("default", "high", "highest")
+
+
 _INT_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                "intermediate_size", "mask_token_id", "block_size", "max_position_embeddings",
                "rope_original_max_position", "lora_rank")
@@ -32,7 +65,39 @@ _OPTIONAL_INT_FIELDS = ("eos_token_id", "bos_token_id")
 _FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "rope_factor", "rope_beta_fast", "rope_beta_slow",
                  "rope_mscale", "rope_mscale_all_dim", "llama4_scaling_beta", "lora_alpha")
 _BOOL_FIELDS = ("qk_norm", "tie_embeddings")
-_STR_FIELDS = ("family", "rope_type", "dtype")
+_STR_FIELDS = ("family", "rope_type", "dtype", "matmul_precision")
+
+
+_NUMBERS = (int, float, np.integer, np.floating)
+
+
+def _id_in_vocab(c: "ModelConfig", name: str):
+    value = getattr(c, name)
+    if value is not None and not 0 <= value < c.vocab_size:
+        raise FieldError(name, f"{value} is outside the vocabulary of {c.vocab_size} ({{0}})",
+                         ("vocab_size",))
+
+
+def check_token_ids(c: "ModelConfig") -> None:
+    """Raises FieldError unless the eos and bos ids are rows of the vocabulary: required of
+    a config read from a checkpoint (the MASK id always is: ModelConfig checks it). A
+    ModelConfig built in code may name an eos outside it; a decode request then says so
+    (see requests.py)."""
+    for name in ("eos_token_id", "bos_token_id"):
+        _id_in_vocab(c, name)
+
+
+def _finite(value) -> bool:
+    """Whether a number is finite as a float (an int past float64's range is not)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _in_range(name: str, value: int, minimum: int):
+    if not minimum <= value <= INT_MAX:
+        raise FieldError(name, f"must be an integer in [{minimum}, {INT_MAX}], got {value}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,24 +142,82 @@ class ModelConfig:
         self._normalise_types()
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; expected one of {DTYPES}")
+        if self.family not in MIN_BLOCK:
+            raise FieldError("family", f"must be one of {sorted(MIN_BLOCK)}, got {self.family!r}")
+        if self.rope_type not in ROPE_TYPES:
+            raise FieldError("rope_type", f"must be one of {ROPE_TYPES}, got {self.rope_type!r}")
+        if self.matmul_precision not in MATMUL_PRECISION_NAMES:
+            raise FieldError("matmul_precision", f"must be one of {MATMUL_PRECISION_NAMES}, "
+                             f"got {self.matmul_precision!r}")
+        self._check_sizes()
+        self._check_token_ids()
+        self._check_floats()
+        self._check_rope()
+
+    def _check_sizes(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "intermediate_size", "block_size", "max_position_embeddings"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"config field {name} must be >= 1, got {getattr(self, name)}")
+                     "head_dim", "intermediate_size", "max_position_embeddings"):
+            _in_range(name, getattr(self, name), 1)
         for name in ("rope_original_max_position", "lora_rank"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"config field {name} must be >= 0, got {getattr(self, name)}")
+            _in_range(name, getattr(self, name), 0)
         if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"num_attention_heads ({self.num_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_kv_heads})")
+            raise FieldError("num_heads", f"must be a multiple of {{0}} ({self.num_kv_heads}), "
+                             f"got {self.num_heads}", ("num_kv_heads",))
         if self.head_dim % 2:
-            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ConfigError(
-                f"mask_token_id {self.mask_token_id} is outside the vocabulary of {self.vocab_size}")
-        if self.rope_type not in ("default", "yarn"):
-            raise ConfigError(f"unsupported rope type {self.rope_type!r}; expected 'default' or 'yarn'")
+            raise FieldError("head_dim", f"must be even for RoPE, got {self.head_dim}")
+        # The schedules run blocks of at least MIN_BLOCK tokens, and a block must fit in
+        # the positions the model has.
+        _in_range("block_size", self.block_size, MIN_BLOCK[self.family])
+        if self.block_size > self.max_position_embeddings:
+            raise FieldError("block_size", f"must be <= {{0}} ({self.max_position_embeddings}), "
+                             f"got {self.block_size}", ("max_position_embeddings",))
+
+    def _check_token_ids(self):
+        _id_in_vocab(self, "mask_token_id")
+        for name in ("eos_token_id", "bos_token_id"):
+            _in_range(name, getattr(self, name) or 0, 0)
+
+    def _check_floats(self):
+        for name in _FLOAT_FIELDS:
+            if abs(getattr(self, name)) > FLOAT_MAX:
+                raise FieldError(name, f"must be within float32 range (|x| <= {FLOAT_MAX:.7g}), "
+                                 f"got {getattr(self, name)!r}")
+        if not FLOAT_TINY <= self.rms_norm_eps <= 1:
+            # Past 1 the epsilon outweighs the activations' own scale: the norm outputs ~0.
+            raise FieldError("rms_norm_eps", f"must be in [{FLOAT_TINY:.7g}, 1] (a positive "
+                             f"normal float32, not past 1), got {self.rms_norm_eps!r}")
+        # Negative: a query scale that reaches 0 and flips sign at long positions.
+        beta = self.llama4_scaling_beta
+        if beta < 0:
+            raise FieldError("llama4_scaling_beta", f"must be >= 0, got {beta!r}")
+
+    def _check_rope(self):
+        # At or below 1 the frequencies theta^(-2i/d) do not decrease, and YaRN divides by
+        # log(theta).
+        if self.rope_theta <= 1:
+            raise FieldError("rope_theta", f"must be > 1, got {self.rope_theta!r}")
+        if self.rope_factor <= 0:
+            raise FieldError("rope_factor", f"must be > 0, got {self.rope_factor!r}")
+        # YaRN takes log(beta * 2 pi): both > 0, and its ramp runs from fast to slow.
+        for name in ("rope_beta_fast", "rope_beta_slow"):
+            if getattr(self, name) <= 0:
+                raise FieldError(name, f"must be > 0, got {getattr(self, name)!r}")
+        if self.rope_beta_fast < self.rope_beta_slow:
+            raise FieldError("rope_beta_fast", f"must be >= {{0}} ({self.rope_beta_slow!r}), "
+                             f"got {self.rope_beta_fast!r}", ("rope_beta_slow",))
+        # YaRN's attention factor divides by 0.1 * mscale_all_dim * log(factor) + 1.
+        for name in ("rope_mscale", "rope_mscale_all_dim"):
+            if getattr(self, name) < 0:
+                raise FieldError(name, f"must be >= 0, got {getattr(self, name)!r}")
+        # Both take log(pos / original_max) or floor(pos / original_max): 0 is no length.
+        scaled = self.rope_type == "yarn" and self.rope_factor > 1
+        if scaled and not self.rope_original_max_position:
+            raise FieldError("rope_original_max_position", "must be >= 1 for YaRN scaling "
+                             f"({{0}} {self.rope_factor!r}), got 0", ("rope_factor",))
+        if self.llama4_scaling_beta and not self.rope_original_max_position:
+            raise FieldError("rope_original_max_position", "must be >= 1 for the Llama-4 query "
+                             f"scale ({{0}} {self.llama4_scaling_beta!r}), got 0",
+                             ("llama4_scaling_beta",))
 
     def _normalise_types(self):
         """Every field of its declared type (NumPy scalars become Python ones): the config
@@ -112,10 +235,9 @@ class ModelConfig:
             put(name, int(value))
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
-            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
-                                                                             np.floating)):
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, _NUMBERS):
                 raise ConfigError(f"config field {name} must be a number, got {value!r}")
-            if not math.isfinite(value):
+            if not _finite(value):
                 raise ConfigError(f"config field {name} must be finite, got {value!r}")
             put(name, float(value))
         for name in _BOOL_FIELDS:
@@ -218,19 +340,24 @@ def int_field(cfg: Mapping[str, Any], key: str, place: str, default: Any = REQUI
         raise error(f"{place}: field {_name(cfg, key)!r} must be an integer, got {_show(value)}")
     if minimum is not None and value < minimum:
         raise error(f"{place}: field {_name(cfg, key)!r} must be >= {minimum}, got {value}")
+    if value > INT_MAX:
+        raise error(f"{place}: field {_name(cfg, key)!r} must be <= {INT_MAX} (int32), got {value}")
     return int(value)
 
 
 def float_field(cfg: Mapping[str, Any], key: str, place: str, default: Any = REQUIRED, *,
                 positive: bool = False, error: type[Exception] = ConfigError):
-    """cfg[key] as a finite float (`default` when absent or null)."""
+    """cfg[key] as a finite float within float32 range (`default` when absent or null)."""
     value = _get(cfg, key, place, default, "a number", error)
     if value is None:
         return default
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)) \
-            or not math.isfinite(value):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, _NUMBERS) \
+            or not _finite(value):
         raise error(f"{place}: field {_name(cfg, key)!r} must be a finite number, "
                     f"got {_show(value)}")
+    if abs(value) > FLOAT_MAX:
+        raise error(f"{place}: field {_name(cfg, key)!r} must be within float32 range "
+                    f"(|x| <= {FLOAT_MAX:.7g}), got {_show(value)}")
     if positive and value <= 0:
         raise error(f"{place}: field {_name(cfg, key)!r} must be > 0, got {value}")
     return float(value)
@@ -274,6 +401,49 @@ def require_object(cfg, place: str) -> None:
         raise ConfigError(f"{place} must be a JSON object ({{...}}), got {type(cfg).__name__}")
 
 
+def _build(origin: dict[str, tuple[str, str]], place: str, **fields) -> ModelConfig:
+    """ModelConfig(**fields), a field out of its range named as its config.json spells it:
+    `origin` maps a ModelConfig field to (the file's label, the key path read)."""
+    def spelled(field: str) -> str:
+        return repr(origin.get(field, (place, field))[1])
+
+    try:
+        config = ModelConfig(**fields)
+        check_token_ids(config)
+        return config
+    except FieldError as e:
+        at, key = origin.get(e.field, (place, e.field))
+        raise ConfigError(f"{at}: field {key!r} {e.describe(spelled)}") from None
+
+
+def _head_dim(cfg, place: str, hidden: int, heads: int) -> int:
+    """head_dim, or hidden_size / num_attention_heads when absent (which must divide)."""
+    head_dim = int_field(cfg, "head_dim", place, None, minimum=1)
+    if head_dim is not None:
+        return head_dim
+    if hidden % heads:
+        raise ConfigError(f"{place}: field {_name(cfg, 'hidden_size')!r} ({hidden}) must be a "
+                          f"multiple of {_name(cfg, 'num_attention_heads')!r} ({heads}) when "
+                          f"{_name(cfg, 'head_dim')!r} is not given")
+    return hidden // heads
+
+
+_NEMOTRON_KEYS = {
+    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim", "intermediate_size": "intermediate_size",
+    "rms_norm_eps": "rms_norm_eps", "mask_token_id": "mask_token_id",
+    "eos_token_id": "eos_token_id", "bos_token_id": "bos_token_id", "block_size": "block_size",
+    "max_position_embeddings": "max_position_embeddings",
+}
+_NEMOTRON_ROPE_KEYS = {
+    "rope_type": "rope_type", "rope_factor": "factor",
+    "rope_original_max_position": "original_max_position_embeddings",
+    "rope_beta_fast": "beta_fast", "rope_beta_slow": "beta_slow", "rope_mscale": "mscale",
+    "rope_mscale_all_dim": "mscale_all_dim", "llama4_scaling_beta": "llama_4_scaling_beta",
+}
+
+
 def nemotron_from_hf(cfg: Mapping[str, Any], dtype: str = "float32") -> ModelConfig:
     """Reads a Nemotron-Labs-Diffusion `config.json` (Ministral-3 backbone)."""
     place = where(cfg, "Nemotron-Labs-Diffusion config.json")
@@ -281,26 +451,32 @@ def nemotron_from_hf(cfg: Mapping[str, Any], dtype: str = "float32") -> ModelCon
     hidden = int_field(cfg, "hidden_size", place, minimum=1)
     heads = int_field(cfg, "num_attention_heads", place, minimum=1)
     # Ministral-3 decouples head_dim from hidden/heads (the 3B model maps 3072 -> 4096).
-    head_dim = int_field(cfg, "head_dim", place, None) or hidden // heads
+    head_dim = _head_dim(cfg, place, hidden, heads)
     # transformers >= 5 writes `rope_parameters`; older configs use rope_theta + rope_scaling.
     rope_key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
     rope = section(cfg, rope_key, place)
-    rope_theta = float_field(rope, "rope_theta", place, None, positive=True)
-    if rope_theta is None:
-        rope_theta = float_field(cfg, "rope_theta", place, 1e6, positive=True)
-    rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
-    if rope_type not in ("default", "yarn"):
-        raise ConfigError(f"{place}: unsupported rope_type {_show(rope_type)}")
+    theta_in = rope if rope.get("rope_theta") is not None else cfg
+    rope_theta = float_field(theta_in, "rope_theta", place, 1e6, positive=True)
+    type_key = "rope_type" if "rope_type" in rope else "type"
+    rope_type = rope.get(type_key) or "default"
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f"{place}: field {_name(rope, type_key)!r} must be one of "
+                          f"{ROPE_TYPES}, got {_show(rope_type)}")
     mask_id = cfg.get("mask_token_id")
     if mask_id is None:
         raise ConfigError(f"{place} has no mask_token_id: the drafter needs a MASK token")
-    return ModelConfig(
+    origin = {f: (place, k) for f, k in _NEMOTRON_KEYS.items()}
+    origin.update({f: (place, _name(rope, k)) for f, k in _NEMOTRON_ROPE_KEYS.items()})
+    origin["rope_type"] = (place, _name(rope, type_key))
+    origin["rope_theta"] = (place, _name(theta_in, "rope_theta"))
+    return _build(
+        origin, place,
         family="nemotron",
         vocab_size=int_field(cfg, "vocab_size", place, minimum=1),
         hidden_size=hidden,
         num_layers=int_field(cfg, "num_hidden_layers", place, minimum=1),
         num_heads=heads,
-        num_kv_heads=int_field(cfg, "num_key_value_heads", place, None) or heads,
+        num_kv_heads=int_field(cfg, "num_key_value_heads", place, heads, minimum=1),
         head_dim=head_dim,
         intermediate_size=int_field(cfg, "intermediate_size", place, minimum=1),
         rms_norm_eps=float_field(cfg, "rms_norm_eps", place, 1e-5, positive=True),
@@ -308,9 +484,9 @@ def nemotron_from_hf(cfg: Mapping[str, Any], dtype: str = "float32") -> ModelCon
         eos_token_id=_first_id(cfg, "eos_token_id", place),
         bos_token_id=_first_id(cfg, "bos_token_id", place),
         # The default block size of the speculative schedules: B >= 2.
-        block_size=int_field(cfg, "block_size", place, None, minimum=2) or 32,
-        max_position_embeddings=int_field(cfg, "max_position_embeddings", place, None,
-                                          minimum=1) or 4096,
+        block_size=int_field(cfg, "block_size", place, 32, minimum=2),
+        max_position_embeddings=int_field(cfg, "max_position_embeddings", place, 4096,
+                                          minimum=1),
         rope_theta=rope_theta,
         rope_type=rope_type,
         rope_factor=float_field(rope, "factor", place, 1.0, positive=True),
@@ -318,6 +494,7 @@ def nemotron_from_hf(cfg: Mapping[str, Any], dtype: str = "float32") -> ModelCon
                                              0, minimum=0),
         rope_beta_fast=float_field(rope, "beta_fast", place, 32.0),
         rope_beta_slow=float_field(rope, "beta_slow", place, 1.0),
+        # 0 means unset, as in transformers' YaRN.
         rope_mscale=float_field(rope, "mscale", place, None) or 1.0,
         rope_mscale_all_dim=float_field(rope, "mscale_all_dim", place, None) or 1.0,
         llama4_scaling_beta=float_field(rope, "llama_4_scaling_beta", place, 0.0),
@@ -360,6 +537,55 @@ def _base_config(base) -> dict[str, Any]:
     return read_hf_config(base)
 
 
+def _setdlm_backbone(cfg, place: str, base_config):
+    """The Qwen3 config a SetDLM config's dimensions come from, and its label."""
+    if base_config is not None:
+        qwen = _base_config(base_config)
+        bplace = where(qwen, "SetDLM backbone (Qwen3) config")
+        require_object(qwen, bplace)
+    elif cfg.get("qwen3_config"):
+        qwen, bplace = section(cfg, "qwen3_config", place), place
+    else:
+        backbone = section(cfg, "backbone_config", place)
+        name = backbone.get("pretrained_model_name_or_path", "<unnamed>")
+        raise ConfigError(
+            f"{place} names its backbone {name!r} (backbone_config.pretrained_model_name_or_path) "
+            "but does not carry its dimensions: pass base_config= the config.json of that model "
+            "(a path to the file or its directory, or a dict)")
+    if qwen.get("model_type", "qwen3") != "qwen3":
+        raise ConfigError(f"{bplace}: model_type {qwen.get('model_type')!r}, expected 'qwen3'")
+    rope = section(qwen, "rope_parameters", bplace)
+    if qwen.get("rope_scaling"):
+        raise ConfigError(f"{bplace}: field {_name(qwen, 'rope_scaling')!r} must be null: only "
+                          f"plain RoPE is supported, got {_show(qwen.get('rope_scaling'))}")
+    if rope.get("rope_type", "default") != "default":
+        raise ConfigError(f"{bplace}: field {_name(rope, 'rope_type')!r} must be 'default': only "
+                          f"plain RoPE is supported, got {_show(rope.get('rope_type'))}")
+    return qwen, bplace
+
+
+def _setdlm_layers(cfg, place: str, qwen, bplace: str) -> int:
+    """The layers kept: backbone_config.num_layers, at most the base model's."""
+    base_layers = int_field(qwen, "num_hidden_layers", bplace, minimum=1)
+    backbone = section(cfg, "backbone_config", place)
+    layers = int_field(backbone, "num_layers", place, base_layers, minimum=1)
+    if layers > base_layers:
+        raise ConfigError(f"{place}: backbone_config.num_layers {layers} must be in "
+                          f"[1, {base_layers}] (the base model's "
+                          f"{_name(qwen, 'num_hidden_layers')!r})")
+    if backbone.get("keep_top_layers"):
+        raise ConfigError(f"{place}: backbone_config.keep_top_layers is not supported")
+    return layers
+
+
+_QWEN3_KEYS = {
+    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+    "intermediate_size": "intermediate_size", "rms_norm_eps": "rms_norm_eps",
+    "max_position_embeddings": "max_position_embeddings",
+}
+
+
 def setdlm_from_hf(cfg: Mapping[str, Any], dtype: str = "float32",
                    base_config: Mapping[str, Any] | str | Path | None = None) -> ModelConfig:
     """Reads a SetDLM (BD3LM-style) `config.json`; the Qwen3 dims come from elsewhere.
@@ -381,68 +607,44 @@ def setdlm_from_hf(cfg: Mapping[str, Any], dtype: str = "float32",
     if archs and not any("setdlm" in str(a).lower() for a in archs):
         raise ConfigError(f"{place}: architectures {cfg.get('architectures')} is not SetDLM "
                           "(other BD3LM-style models are not supported)")
-    backbone = section(cfg, "backbone_config", place)
-    if base_config is not None:
-        qwen = _base_config(base_config)
-        bplace = where(qwen, "SetDLM backbone (Qwen3) config")
-        require_object(qwen, bplace)
-    elif cfg.get("qwen3_config"):
-        qwen = section(cfg, "qwen3_config", place)
-        bplace = place
-    else:
-        name = backbone.get("pretrained_model_name_or_path", "<unnamed>")
-        raise ConfigError(
-            f"{place} names its backbone {name!r} (backbone_config.pretrained_model_name_or_path) "
-            "but does not carry its dimensions: pass base_config= the config.json of that model "
-            "(a path to the file or its directory, or a dict)")
-    if qwen.get("model_type", "qwen3") != "qwen3":
-        raise ConfigError(f"{bplace}: model_type {qwen.get('model_type')!r}, expected 'qwen3'")
-    rope = section(qwen, "rope_parameters", bplace)
-    if qwen.get("rope_scaling") or rope.get("rope_type", "default") != "default":
-        raise ConfigError(f"{bplace}: only plain RoPE is supported (rope_scaling must be null)")
+    qwen, bplace = _setdlm_backbone(cfg, place, base_config)
     hidden = int_field(qwen, "hidden_size", bplace, minimum=1)
     heads = int_field(qwen, "num_attention_heads", bplace, minimum=1)
-    base_layers = int_field(qwen, "num_hidden_layers", bplace, minimum=1)
-    layers = int_field(backbone, "num_layers", place, None) or base_layers
-    if not 1 <= layers <= base_layers:
-        raise ConfigError(f"{place}: backbone_config.num_layers {layers} must be in "
-                          f"[1, {base_layers}] (the base model's layers)")
-    if backbone.get("keep_top_layers"):
-        raise ConfigError(f"{place}: backbone_config.keep_top_layers is not supported")
+    layers = _setdlm_layers(cfg, place, qwen, bplace)
     tok = section(cfg, "tokenization_config", place)
-    in_cfg = "mask_token_id" in cfg
-    mask_id = int_field(cfg if in_cfg else tok, "mask_token_id", place, None, minimum=0)
+    # Token ids are read from the top level, else from tokenization_config.
+    ids = {key: cfg if key in cfg else tok for key in ("mask_token_id", "eos_token_id",
+                                                       "bos_token_id")}
+    mask_id = int_field(ids["mask_token_id"], "mask_token_id", place, None, minimum=0)
     if mask_id is None:
         raise ConfigError(f"{place} has no mask_token_id: the drafter needs a MASK token")
-    rope_theta = float_field(qwen, "rope_theta", bplace, None, positive=True)
-    if rope_theta is None:
-        rope_theta = float_field(rope, "rope_theta", bplace, 1e6, positive=True)
+    rope = section(qwen, "rope_parameters", bplace)
+    theta_in = qwen if qwen.get("rope_theta") is not None else rope
     noise = section(cfg, "noise_config", place)
-    # The noise schedule's desired block size is the window the checkpoint was tuned for.
-    window = int_field(noise, "desired_block_size", place, None, minimum=1) or 8
-
-    def token_id(key):
-        if key in cfg:
-            return _first_id(cfg, key, place)
-        return _first_id(tok, key, place)
-
-    return ModelConfig(
+    origin = {f: (bplace, _name(qwen, k)) for f, k in _QWEN3_KEYS.items()}
+    origin.update({key: (place, _name(src, key)) for key, src in ids.items()})
+    origin.update(num_layers=(place, "backbone_config.num_layers"),
+                  block_size=(place, _name(noise, "desired_block_size")),
+                  rope_theta=(bplace, _name(theta_in, "rope_theta")))
+    return _build(
+        origin, place,
         family="setdlm",
         vocab_size=int_field(qwen, "vocab_size", bplace, minimum=1),
         hidden_size=hidden,
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=int_field(qwen, "num_key_value_heads", bplace, None) or heads,
-        head_dim=int_field(qwen, "head_dim", bplace, None) or hidden // heads,
+        num_kv_heads=int_field(qwen, "num_key_value_heads", bplace, heads, minimum=1),
+        head_dim=_head_dim(qwen, bplace, hidden, heads),
         intermediate_size=int_field(qwen, "intermediate_size", bplace, minimum=1),
         rms_norm_eps=float_field(qwen, "rms_norm_eps", bplace, 1e-6, positive=True),
         mask_token_id=mask_id,
-        eos_token_id=token_id("eos_token_id"),
-        bos_token_id=token_id("bos_token_id"),
-        block_size=window,
-        max_position_embeddings=int_field(qwen, "max_position_embeddings", bplace, None,
-                                          minimum=1) or 4096,
-        rope_theta=rope_theta,
+        eos_token_id=_first_id(ids["eos_token_id"], "eos_token_id", place),
+        bos_token_id=_first_id(ids["bos_token_id"], "bos_token_id", place),
+        # The noise schedule's desired block size is the window the checkpoint was tuned for.
+        block_size=int_field(noise, "desired_block_size", place, 8, minimum=1),
+        max_position_embeddings=int_field(qwen, "max_position_embeddings", bplace, 4096,
+                                          minimum=1),
+        rope_theta=float_field(theta_in, "rope_theta", bplace, 1e6, positive=True),
         rope_type="default",
         qk_norm=True,
         tie_embeddings=bool_field(qwen, "tie_word_embeddings", bplace, True),

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import batched, engine, sharding
+from . import batched, engine, requests, sharding
 
 
 @dataclasses.dataclass
@@ -134,8 +134,10 @@ def decode_queue(model, family, batch: engine.Batch, slots: int,
     `every` iterations); returns one DecodeResult per request, in order (each equal to
     that request decoded alone; `wall_s` is the whole queue's, compilation excluded), and
     the timing `Stats`."""
-    if slots < 1 or every < 1:
-        raise engine.InputError(f"slots and every must be >= 1, got {slots}, {every}")
+    # Both become int32 on device (slot indices, the iteration bound).
+    slots = requests.integer(slots, "slots", 1, requests.INT32_MAX, "slot indices are int32")
+    every = requests.integer(every, "every", 1, requests.INT32_MAX,
+                             "the loop counts iterations in int32")
     reqs = batch.requests
     # On a mesh (a model loaded with `mesh=`) the slots are split over "data" and every
     # call is tensor-parallel over "model", as in a batched decode (engine.run_batch).

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import batched, compile_cache, requests, sharding, stops
+from . import batched, compile_cache, memory, requests, sharding, stops
 from .requests import InputError
 from .sampling import Sampler
 
@@ -236,12 +236,14 @@ def program_for(family, config, *, schedule="packed", width=None, order="ltr",
     check_options(family, schedule, order, sampler)
     if width is None:
         width = config.block_size
-    width = family.width(schedule, requests.integer(width, family.width_name, family.min_width))
-    max_new = requests.integer(max_new_tokens, "max_new_tokens", 1)
-    if max_new > requests.MAX_CACHE:
-        raise InputError(f"max_new_tokens {max_new} is too large: prompt + max_new_tokens must "
-                         f"fit the cache (at most {requests.MAX_CACHE} slots)")
+    width = family.width(schedule, requests.integer(
+        width, family.width_name, family.min_width, requests.MAX_CACHE,
+        "a block must fit the cache, whose positions are int32"))
+    max_new = requests.integer(max_new_tokens, "max_new_tokens", 1, requests.MAX_CACHE,
+                               "prompt + max_new_tokens must fit the cache, whose positions "
+                               "are int32")
     eos = requests.eos_id(eos_id, config, config.vocab_size)
+    stop_sequences = stops.markers(stop_sequences)
     if stop_sequences and not family.stop_sequences:
         raise InputError(f"stop_sequences are not supported for {family.title} models yet; "
                          "use eos_id")
@@ -258,35 +260,55 @@ def prepare(model, family, prompt, *, seed=0, **options) -> Request:
     """A checked request for `decode` (see `program_for` for the options)."""
     seed = requests.seed(seed)
     ids = requests.prompt_ids(model, prompt)
+    options = _read_once(options)
     program, limits, max_new = program_for(family, model.config, prompt_len=len(ids),
                                            tokenizer=getattr(model, "tokenizer", None), **options)
     requests.fits(len(ids), max_new, program.capacity)
     program = dataclasses.replace(program, bucket=bucket_for(len(ids), program.capacity))
-    return Request(program, ids, limits, seed, max_new,
-                   stops.texts(options.get("stop_sequences", ())))
+    memory.check(model, program, max_new)
+    return Request(program, ids, limits, seed, max_new, stops.texts(options["stop_sequences"]))
 
 
-def prepare_batch(model, family, prompts, *, seed=0, **options) -> Batch:
+def _read_once(options: dict) -> dict:
+    """`options` with its stop markers read into a tuple: they are read twice (the marker
+    table, then the text stops), and a generator gives nothing the second time."""
+    return {**options, "stop_sequences": stops.markers(options.get("stop_sequences", ()))}
+
+
+def _seeds(seed, n: int) -> list[int]:
+    """One seed per prompt: `seed` for all, or the list of one per prompt."""
+    if requests.is_int(seed):
+        return [requests.seed(seed)] * n
+    if isinstance(seed, (str, bytes)) or not hasattr(seed, "__iter__"):
+        raise InputError(f"seed must be an integer in [0, 2**32) or a list of one per prompt, "
+                         f"got {seed!r:.80}")
+    seeds = [int(x) for x in requests.seeds(seed, "seed")]
+    if len(seeds) != n:
+        raise InputError(f"seed: {len(seeds)} seeds for {n} prompts; give one seed or one "
+                         "per prompt")
+    return seeds
+
+
+def prepare_batch(model, family, prompts, *, seed=0, sequences: int | None = None,
+                  **options) -> Batch:
     """Checked requests for a batched decode: `prompts` a non-empty list of prompts,
     `seed` one seed for every prompt or one per prompt (see `program_for` for the rest).
     The batch shares one program: prompts are padded to the bucket of the longest, the
-    cache sized for the longest request."""
-    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or not prompts:
-        raise InputError(f"prompts must be a non-empty list of prompts, got {prompts!r:.80}")
-    ids = [requests.prompt_ids(model, p) for p in prompts]
-    if requests.is_int(seed):
-        seeds = [requests.seed(seed)] * len(ids)
-    else:
-        seeds = [int(x) for x in requests.seeds(seed)]
-        if len(seeds) != len(ids):
-            raise InputError(f"seed: {len(seeds)} seeds for {len(ids)} prompts; give one seed "
-                             "or one per prompt")
+    cache sized for the longest request. `sequences`: how many are decoded at once (a
+    queue's slots; default all), for the memory check."""
+    prompts = requests.prompt_list(prompts)
+    ids = [requests.prompt_ids(model, p, f"prompts[{i}]: ") for i, p in enumerate(prompts)]
+    seeds = _seeds(seed, len(ids))
+    options = _read_once(options)
     longest = max(len(x) for x in ids)
     program, limits, max_new = program_for(family, model.config, prompt_len=longest,
                                            tokenizer=getattr(model, "tokenizer", None), **options)
     requests.fits(longest, max_new, program.capacity)
     program = dataclasses.replace(program, bucket=bucket_for(longest, program.capacity))
-    texts = stops.texts(options.get("stop_sequences", ()))
+    at_once = len(ids) if sequences is None else min(sequences, len(ids))
+    memory.check(model, program, max_new, at_once, "a smaller cache_size or fewer " + (
+        "prompts per call" if sequences is None else "slots"))
+    texts = stops.texts(options["stop_sequences"])
     return Batch(program, tuple(Request(program, x, limits, s, max_new, texts)
                                 for x, s in zip(ids, seeds)))
 
@@ -424,7 +446,8 @@ class Chunked:
 
     def __init__(self, model, family, request: Request, k: int = DEFAULT_CHUNK):
         self.model, self.family, self.request = model, family, request
-        self.k = requests.integer(k, "chunk", 1)
+        self.k = requests.integer(k, "chunk", 1, requests.INT32_MAX,
+                                  "the loop counts iterations in int32")
         (self._start, self._resume, self._outcome), self.compile_s = chunk_programs(
             model, family, request)
         self.state, self.tokens, self.count, self.done = None, None, 0, False

@@ -109,10 +109,12 @@ def load(path: str | Path | None = None, dtype: str = "float32", lora: bool | No
     dtype: "float32" (CPU, parity) or "bfloat16" (GPU).
     lora:  None uses the draft-only adapter when the checkpoint has one; True requires
            it; False ignores it. The adapter only ever touches drafting rows.
-    verify: converted directories only: compare each array with the SHA-256 recorded at
+    verify: converted directories only: compare each array, the config in
+           packed_ss_config.json and the copied config.json with the SHA-256 recorded at
            conversion (about 0.6 s per GiB per core, ~10 s single-core for an 8B bfloat16
            checkpoint; arrays are hashed in parallel). False skips it. Hugging Face
-           directories are always checked for NaN/Inf while they are read.
+           directories are always checked for NaN/Inf while they are read. Either kind's
+           config is range-checked whatever `verify` says.
     tokenizer: a tokenizer.json (or a directory holding one) to use instead of the
            checkpoint's, e.g. the base model's for a SetDLM release that ships none.
     matmul_precision: "default" follows `jax.default_matmul_precision` (on GPUs float32

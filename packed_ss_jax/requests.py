@@ -9,6 +9,7 @@ Python, never a sensible block size or token id).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 
 import numpy as np
@@ -19,6 +20,11 @@ SEED_LIMIT = 2**32
 # Positions, lengths and cache slots are int32 inside the programs; a cache past this
 # would wrap them (it would not fit in memory either).
 MAX_CACHE = 2**31 - 2**20
+INT32_MAX = 2**31 - 1
+# The smallest normal float32. A top_p below it is 0 or subnormal once the program holds
+# it as a float32 (XLA's CPU backend flushes subnormals to 0); every such top_p keeps the
+# most likely token alone, as this one does, so they all share its program.
+TOP_P_TINY = float(np.finfo(np.float32).tiny)
 
 
 class InputError(ValueError):
@@ -34,14 +40,38 @@ def is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
-def integer(value, name: str, minimum: int | None = None) -> int:
-    """`value` as an int >= minimum; the message names the argument."""
+def integer(value, name: str, minimum: int | None = None, maximum: int | None = None,
+            why: str = "") -> int:
+    """`value` as an int in [minimum, maximum]; the message names the argument, and for a
+    value past `maximum`, `why` that is the bound."""
     bound = "" if minimum is None else f" >= {minimum}"
     if not is_int(value):
         raise InputTypeError(f"{name} must be an integer{bound}, got {value!r}")
     if minimum is not None and value < minimum:
         raise InputError(f"{name} must be an integer{bound}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise InputError(f"{name} {value} is too large: at most {maximum}"
+                         + (f" ({why})" if why else ""))
     return int(value)
+
+
+def text(value: str, what: str) -> str:
+    """`value` if it is valid Unicode text. A lone surrogate (what a JSON "\\ud800" escape or
+    invalid UTF-8 on a command line decodes to) cannot be encoded, so no tokenizer or
+    template can take it: refused here with the place named."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(f"{what} is not valid Unicode text: a lone surrogate "
+                         f"(U+{ord(value[e.start]):04X}) at character {e.start}") from None
+    return value
+
+
+def encode(tokenizer, value: str, *, add_special_tokens: bool = True) -> list[int]:
+    """The ids of `value`. Through `encode_batch`, which lets go of the GIL while it
+    works: a long prompt tokenized on a server's worker thread does not stall its event
+    loop (`encode` holds the GIL throughout)."""
+    return tokenizer.encode_batch([value], add_special_tokens=add_special_tokens)[0].ids
 
 
 def check_model(model) -> None:
@@ -70,13 +100,18 @@ def sampler(temperature, top_k, top_p) -> Sampler:
     """The sampling settings; temperature 0 gives the one greedy program."""
     temperature, top_p = _number(temperature), _number(top_p)
     if is_int(top_k):
-        top_k = int(top_k)
+        top_k = integer(top_k, "top_k", 1, INT32_MAX, "an int32; any top_k at least the "
+                                                      "vocabulary keeps every token")
     try:
         s = Sampler(temperature, top_k, top_p)
     except (ValueError, TypeError) as e:
         raise InputError(str(e)) from None
     # Truncation does not change an argmax: every greedy request shares one program.
-    return Sampler() if s.greedy else s
+    if s.greedy:
+        return Sampler()
+    if s.top_p is not None and s.top_p < TOP_P_TINY:
+        s = dataclasses.replace(s, top_p=TOP_P_TINY)
+    return s
 
 
 def seed(value) -> int:
@@ -85,14 +120,24 @@ def seed(value) -> int:
     return int(value)
 
 
-def seeds(values) -> np.ndarray:
-    """A 1-D, non-empty array of seeds, each in [0, 2**32)."""
-    arr = np.asarray(values)
-    if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
-        raise InputError(f"seeds must be a non-empty 1-D sequence of integers, got {values!r}")
-    if arr.min() < 0 or arr.max() >= SEED_LIMIT:
-        raise InputError("seeds must be integers in [0, 2**32)")
-    return arr
+def seeds(values, name: str = "seeds") -> np.ndarray:
+    """A 1-D, non-empty uint32 array of seeds, each in [0, 2**32). Each is checked as a
+    Python value first: NumPy would raise OverflowError on a seed past int64, or turn a
+    list mixing -1 and 2**63 into floats."""
+    if isinstance(values, np.ndarray) and values.ndim != 1:
+        raise InputError(f"{name} must be a non-empty 1-D sequence of integers, got an array "
+                         f"of shape {values.shape}")
+    if (isinstance(values, (str, bytes, Mapping, set, frozenset))
+            or not isinstance(values, Iterable)):
+        raise InputError(f"{name} must be a non-empty 1-D sequence of integers, got "
+                         f"{values!r:.80}")
+    values = list(values)
+    if not values:
+        raise InputError(f"{name} must be a non-empty 1-D sequence of integers, got none")
+    for i, v in enumerate(values):
+        if not is_int(v) or not 0 <= v < SEED_LIMIT:
+            raise InputError(f"{name}[{i}] must be an integer in [0, 2**32), got {v!r:.80}")
+    return np.asarray([int(v) for v in values], np.uint32)
 
 
 def eos_id(value, config, vocab: int) -> int | None:
@@ -137,8 +182,17 @@ def fits(prompt_len: int, max_new: int, cache: int) -> None:
 def check_ids(ids: np.ndarray, vocab: int, what: str) -> None:
     bad = ids[(ids < 0) | (ids >= vocab)]
     if bad.size:
-        raise InputError(f"{what} contain ids outside the vocabulary [0, {vocab}): "
+        raise InputError(f"{what}: ids outside the vocabulary [0, {vocab}): "
                          f"{sorted(set(bad.tolist()))[:10]}")
+
+
+def id_array(ids: list[int], vocab: int, what: str) -> np.ndarray:
+    """Python int ids as an int32 array, each checked against the vocabulary first (an id
+    past int64, e.g. 2**70, would make NumPy raise OverflowError)."""
+    bad = sorted({t for t in ids if not 0 <= t < vocab})
+    if bad:
+        raise InputError(f"{what}: ids outside the vocabulary [0, {vocab}): {bad[:10]}")
+    return np.asarray(ids, np.int32)
 
 
 def token_list(seq, what: str) -> list[int]:
@@ -158,21 +212,53 @@ def token_list(seq, what: str) -> list[int]:
     return [int(t) for t in ids]
 
 
-def prompt_ids(model, prompt) -> np.ndarray:
-    """The prompt as int32 ids: text through the model's tokenizer, or token ids."""
+def prompt_ids(model, prompt, where: str = "") -> np.ndarray:
+    """The prompt as int32 ids: text through the model's tokenizer, or token ids. `where`
+    starts the messages (a batch's "prompts[3]: ")."""
     if isinstance(prompt, str):
         if getattr(model, "tokenizer", None) is None:
-            raise InputError("prompt is a string but this model has no tokenizer; pass token ids")
-        ids = model.tokenizer.encode(prompt).ids
+            raise InputError(f"{where}prompt is a string but this model has no tokenizer; pass "
+                             "token ids")
+        ids = encode(model.tokenizer, text(prompt, f"{where}prompt"))
     else:
+        # A generator or other one-shot iterable of prompts is no batch (it could be read
+        # once only): say so where its items are not ids.
+        hint = "" if isinstance(prompt, (list, tuple, np.ndarray)) else (
+            "; a batch of prompts must be a list")
         try:
             ids = token_list(prompt, "prompt")
         except InputTypeError as e:
-            raise InputTypeError(f"prompt must be a string or a sequence of integer token ids "
-                                 f"({e})") from None
+            raise InputTypeError(f"{where}prompt must be a string or a sequence of integer "
+                                 f"token ids ({e}){hint}") from None
     if not ids:
-        raise InputError("prompt is empty: at least one token is needed")
-    arr = np.asarray(ids, np.int64)
-    check_ids(arr, model.vocab_size, "prompt")
-    return arr.astype(np.int32)
+        raise InputError(f"{where}prompt is empty: at least one token is needed")
+    return id_array(ids, model.vocab_size, f"{where}prompt")
+
+
+def prompt_list(prompts) -> list:
+    """A batch's prompts as a list, read once: a list or tuple of prompts (strings or
+    token-id sequences), a 2-D array (one prompt a row) or another iterable of prompts (a
+    generator). A string or bytes would be split into one-character prompts, a set or a
+    dict has no order, and a list of ids is one prompt: all refused."""
+    name = type(prompts).__name__
+    if isinstance(prompts, (str, bytes, bytearray)):
+        raise InputTypeError(f"prompts must be a list of prompts, got a {name} (it would be "
+                             f"decoded one character at a time): pass [prompt] for one prompt")
+    if isinstance(prompts, np.ndarray):
+        if prompts.ndim != 2:
+            raise InputTypeError(f"prompts must be a list of prompts or a 2-D array of token "
+                                 f"ids (one prompt a row), got an array of shape {prompts.shape}")
+        items = list(prompts)
+    elif isinstance(prompts, (Mapping, set, frozenset)) or not isinstance(prompts, Iterable):
+        raise InputTypeError(f"prompts must be a list of prompts (strings or token-id lists), "
+                             f"got {name}" + (" (no order)" if isinstance(
+                                 prompts, (Mapping, set, frozenset)) else ""))
+    else:
+        items = list(prompts)
+    if not items:
+        raise InputError("prompts must be a non-empty list of prompts, got none")
+    if any(is_int(p) for p in items):
+        raise InputTypeError("prompts must be a list of prompts, got token ids: pass [ids] "
+                             "for one prompt")
+    return items
 

@@ -22,6 +22,8 @@ here (the decode loop reports them, see schedules/state.py); a drawn id is alway
 Storage of Q: without truncation, full rows [W, V]; with top-k, the k largest entries
 ([W, k] ids and log-probabilities); with top-p alone, at most `TOP_P_STORE` entries
 (the drafter's nucleus, capped; the cap only changes which drafts are proposed).
+Top-p keeps at least the most likely token at any p > 0, so p -> 0 tends to greedy, as
+T -> 0 does.
 """
 
 from __future__ import annotations
@@ -125,11 +127,18 @@ def _keep_top_k(x, k: int):
     return jnp.put_along_axis(keep, idx, True, axis=-1, inplace=False)
 
 
-def _keep_top_p(logp, p: float):
-    """Smallest prefix of the descending order whose mass reaches p (ties: lower id first)."""
-    order = jnp.argsort(-logp, axis=-1, stable=True)
+def _keep_top_p(logp, rank, p: float):
+    """Smallest prefix of the descending order of `rank` (the tempered logits, whose order
+    is the distribution's; ties: lower id first) whose mass under `logp` reaches p; never
+    empty. The most likely token is kept whatever p: a p that is 0 or subnormal in
+    float32 (a tiny Python float; XLA's CPU backend flushes subnormals to 0) would
+    otherwise keep nothing, and an empty support samples garbage (NaN weights). The order
+    is not read off `logp`: normalising rounds tokens a few ulps apart to one value, and
+    the token kept alone must be the argmax (temperature 0's token)."""
+    order = jnp.argsort(-rank, axis=-1, stable=True)
     sorted_p = jnp.exp(jnp.take_along_axis(logp, order, axis=-1))
-    keep_sorted = (jnp.cumsum(sorted_p, axis=-1) - sorted_p) < p
+    first = jnp.arange(logp.shape[-1]) == 0
+    keep_sorted = ((jnp.cumsum(sorted_p, axis=-1) - sorted_p) < p) | first
     keep = jnp.zeros(logp.shape, bool)
     return jnp.put_along_axis(keep, order, keep_sorted, axis=-1, inplace=False)
 
@@ -155,7 +164,7 @@ def target(logits, s: Sampler):
         z = jnp.where(_keep_top_k(x, s.top_k), z, -jnp.inf)
     logp = _normalise(z)
     if s.top_p is not None and s.top_p < 1.0:
-        logp = _normalise(jnp.where(_keep_top_p(logp, s.top_p), logp, -jnp.inf))
+        logp = _normalise(jnp.where(_keep_top_p(logp, z, s.top_p), logp, -jnp.inf))
     return logp
 
 

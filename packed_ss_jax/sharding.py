@@ -14,6 +14,7 @@ so every program computes what it computes on one device.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import jax
@@ -54,17 +55,24 @@ class MeshError(ValueError):
     """A mesh specification that cannot describe a mesh of these devices."""
 
 
+def _shown(text: str, limit: int = 40) -> str:
+    """`text` as an error message quotes it: a hostile one is cut short."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
 def parse(spec: str) -> dict[str, int]:
     """'data=2,model=4' -> {"data": 2, "model": 4} (an axis left out has size 1)."""
     sizes = {a: 1 for a in MESH_AXES}
     seen = set()
     for part in filter(None, (x.strip() for x in spec.split(","))):
         name, eq, value = (x.strip() for x in part.partition("="))
-        if not eq or name not in MESH_AXES or not value.isdigit() or int(value) < 1:
-            raise MeshError(f"mesh {spec!r}: {part!r} is not AXIS=SIZE with AXIS one of "
-                            f"{MESH_AXES} and SIZE an integer >= 1")
+        # ASCII digits, at most 9 (int() takes other digits, and fails past 4300 of them)
+        if not eq or name not in MESH_AXES or not re.fullmatch(r"[0-9]{1,9}", value) \
+                or int(value) < 1:
+            raise MeshError(f"mesh {_shown(spec)}: {_shown(part)} is not AXIS=SIZE with AXIS "
+                            f"one of {MESH_AXES} and SIZE an integer >= 1")
         if name in seen:
-            raise MeshError(f"mesh {spec!r} names {name!r} twice")
+            raise MeshError(f"mesh {_shown(spec)} names {name!r} twice")
         seen.add(name)
         sizes[name] = int(value)
     return sizes

@@ -12,7 +12,8 @@ still end at its earliest occurrence.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import itertools
+from collections.abc import Iterable, Mapping
 
 import jax.numpy as jnp
 import numpy as np
@@ -24,22 +25,39 @@ MAX_STOPS = 8       # stop markers per request (EOS included)
 MAX_STOP_LEN = 16   # tokens per marker
 
 
-def _sequences(stop_sequences) -> list:
-    if stop_sequences is None:
-        return []
-    if isinstance(stop_sequences, (str, bytes)) or not isinstance(stop_sequences, Iterable):
+def markers(stop_sequences) -> tuple:
+    """The stop markers as a tuple, read once: a generator (any one-shot iterable) would be
+    empty when read again, and the markers are read twice (the table, then the text
+    stops). Strings are checked to be valid Unicode text."""
+    if isinstance(stop_sequences, tuple) or stop_sequences is None:
+        seqs = stop_sequences or ()
+    elif (isinstance(stop_sequences, (str, bytes, bytearray, Mapping))
+          or not isinstance(stop_sequences, Iterable)):
         # A bare string would become one marker per character.
         raise InputTypeError(f"stop_sequences must be a list of markers (strings or token-id "
-                             f"lists), e.g. ['\\n\\n'] or [[13, 13]]; got {stop_sequences!r}")
-    return list(stop_sequences)
+                             f"lists), e.g. ['\\n\\n'] or [[13, 13]]; got {stop_sequences!r:.80}")
+    else:  # an iterator may never end: read no more than can be refused
+        seqs = tuple(itertools.islice(stop_sequences, MAX_STOPS + 1))
+    if len(seqs) > MAX_STOPS:
+        raise InputError(f"more than {MAX_STOPS} stop markers; at most {MAX_STOPS} (EOS "
+                         "included)")
+    for i, seq in enumerate(seqs):
+        if isinstance(seq, str):
+            requests.text(seq, f"stop sequence {i}")
+    return seqs
 
 
 def table(tokenizer, vocab: int, eos_id: int | None, stop_sequences) -> dict:
     """The traced marker table {stop_tok [K, Lm] (left-aligned), stop_len [K] (0: unused)}.
 
     A marker is a token-id list, or a string when a tokenizer is given (its encoding)."""
-    markers = []
-    for seq in _sequences(stop_sequences):
+    seqs = markers(stop_sequences)
+    if len(seqs) + (eos_id is not None) > MAX_STOPS:
+        # Before reading any: a long list of markers costs nothing to refuse.
+        raise InputError(f"{len(seqs) + (eos_id is not None)} stop markers (EOS included); "
+                         f"at most {MAX_STOPS}")
+    found = []
+    for seq in seqs:
         if isinstance(seq, str):
             if tokenizer is None:
                 raise InputError(f"stop sequence {seq!r} is a string but this model has no "
@@ -50,24 +68,24 @@ def table(tokenizer, vocab: int, eos_id: int | None, stop_sequences) -> dict:
             seq = tokenizer.encode(seq, add_special_tokens=False).ids
         if requests.is_int(seq):
             seq = [seq]
+        elif isinstance(seq, Iterable) and not hasattr(seq, "__len__"):
+            seq = list(itertools.islice(seq, MAX_STOP_LEN + 1))  # it may never end
         try:
             seq = requests.token_list(seq, "stop sequence")
         except InputTypeError:
-            raise InputTypeError(f"stop sequence {seq!r} must be integer token ids (or a "
+            raise InputTypeError(f"stop sequence {seq!r:.80} must be integer token ids (or a "
                                  "string)") from None
         if not seq:
             raise InputError("empty stop sequence: every stop marker needs at least one token")
         if len(seq) > MAX_STOP_LEN:
-            raise InputError(f"stop sequence of {len(seq)} tokens is longer than {MAX_STOP_LEN}")
-        requests.check_ids(np.asarray(seq, np.int64), vocab, "stop sequence")
-        markers.append(seq)
+            raise InputError(f"stop sequence of {len(seq)} tokens is longer than {MAX_STOP_LEN} "
+                             "tokens")
+        found.append(requests.id_array(seq, vocab, "stop sequence").tolist())
     if eos_id is not None:
-        markers.append([eos_id])
-    if len(markers) > MAX_STOPS:
-        raise InputError(f"{len(markers)} stop markers (EOS included); at most {MAX_STOPS}")
+        found.append([eos_id])
     tok = np.zeros((MAX_STOPS, MAX_STOP_LEN), np.int32)
     length = np.zeros(MAX_STOPS, np.int32)
-    for i, seq in enumerate(markers):
+    for i, seq in enumerate(found):
         tok[i, : len(seq)] = seq
         length[i] = len(seq)
     return {"stop_tok": tok, "stop_len": length}
@@ -75,7 +93,7 @@ def table(tokenizer, vocab: int, eos_id: int | None, stop_sequences) -> dict:
 
 def texts(stop_sequences) -> tuple[str, ...]:
     """The stops given as text (checked on the decoded text after the loop)."""
-    return tuple(s for s in _sequences(stop_sequences) if isinstance(s, str))
+    return tuple(s for s in markers(stop_sequences) if isinstance(s, str))
 
 
 # --- on device --------------------------------------------------------------------------------

@@ -115,6 +115,19 @@ SLOW: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "test_training.py::test_losses_fall_and_export_reloads_identically": ("a training run", None),
     "test_setdlm_training.py::test_setdlm_losses_fall_and_export_reloads_identically":
         ("a training run", None),
+    # Hostile input: the longest waits and the bulk of the fuzzing.
+    "test_server_fuzz.py::test_completions_fuzz":
+        ("a fuzz run decoding through the server (the raw-body fuzz stays)", None),
+    "test_server_fuzz.py::test_chat_fuzz": ("a fuzz run decoding through the server", None),
+    "test_server_shutdown.py::test_a_signal_at_a_random_moment_drains":
+        ("a server process per signal moment; one stays", ("0-15",)),
+    "test_server_limits.py::test_a_hostile_template_ends_with_a_clear_error_while_health_answers":
+        ("the looping template runs to its 5 s limit", ("format", "percent", "tojson", "repeat",
+                                                          "huge")),
+    "test_cli_hostile.py::test_missing_peer_is_one_line_at_the_timeout":
+        ("three processes waiting for a peer", None),
+    "test_hostile_inputs.py::test_tiny_top_p_decodes_the_greedy_tokens":
+        ("a sampled program per family; Nemotron's stays", ("nld-tiny",)),
 }
 
 

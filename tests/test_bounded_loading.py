@@ -223,9 +223,11 @@ def test_version_2_stacked_output_still_loads(converted, tmp_path):
     checkpointer.wait_until_finished()
     meta = json.loads((converted / store.MARKER).read_text())
     meta.update(version=2, files=store._walk(old))
+    del meta["checksums"], meta["sizes"]  # added after version 2
     (old / store.MARKER).write_text(json.dumps(meta))
     assert any(n.startswith("layers/") for n in marker.array_names(store._metadata(old / "params")))
-    m = ps.load(old, dtype="bfloat16")
+    with pytest.warns(UserWarning, match="records no checksum"):
+        m = ps.load(old, dtype="bfloat16")
     assert "layers" not in m.params
     for a, b in zip(jax.tree.leaves(m.params), jax.tree.leaves(good.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

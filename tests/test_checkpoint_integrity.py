@@ -156,6 +156,14 @@ def _drop(path):
     return edit
 
 
+def _unchecked(path, value):
+    """`_set` in a marker without the config checksum."""
+    def edit(meta):
+        _set(path, value)(meta)
+        del meta["checksums"]
+    return edit
+
+
 def _first_array(meta):
     return next(iter(meta["arrays"].values()))
 
@@ -187,10 +195,14 @@ DAMAGED = [
      r"unknown fields \['color'\]"),
     ("invalid value", _set(["config", "mask_token_id"], 10 ** 6), ConfigError,
      "mask_token_id 1000000 is outside the vocabulary"),
-    ("config disagrees with params", _set(["config", "intermediate_size"], 96), CheckpointError,
+    ("config edited", _set(["config", "intermediate_size"], 96), CheckpointError,
+     r"packed_ss_config.json: its 'config' changed after conversion \(checksum mismatch\)"),
+    # Without the config checksum (an older conversion), the params' shapes catch it.
+    ("config disagrees with params", _unchecked(["config", "intermediate_size"], 96),
+     CheckpointError,
      r"(?s)params do not match .*layers/mlp/up_proj: the config gives \[2, 64, 96\] float32, "
      r"params/ has \[2, 64, 160\] float32"),
-    ("more layers than stored", _set(["config", "num_layers"], 3), CheckpointError,
+    ("more layers than stored", _unchecked(["config", "num_layers"], 3), CheckpointError,
      "params do not match"),
     ("arrays list disagrees", lambda m: _first_array(m).update(shape=[1, 2]), CheckpointError,
      r"embed: the config gives \[320, 64\] float32, the arrays list of packed_ss_config.json "

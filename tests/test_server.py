@@ -6,73 +6,32 @@ client leaving mid-stream frees the decoder; SIGINT (Ctrl-C) stops the server cl
 import concurrent.futures
 import http.client
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 import packed_ss_jax as ps
+from servers import request, running
 
 openai = pytest.importorskip("openai")
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = ps.load()
 MAX_TOKENS = 12
 
 
 def _http(base: str, method: str, path: str, body=None, timeout: float = 60):
-    """(status, parsed JSON body) of one plain HTTP request (the standard library's client,
-    so that malformed bodies can be sent as they are)."""
-    host, port = base.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
-    try:
-        if body is not None and not isinstance(body, bytes):
-            body = json.dumps(body).encode()
-        conn.request(method, path, body=body, headers={"content-type": "application/json"})
-        r = conn.getresponse()
-        return r.status, json.loads(r.read() or b"null")
-    finally:
-        conn.close()
+    return request(base, method, path, body, timeout=timeout)
 
 
 def _health(base: str) -> dict:
     return _http(base, "GET", "/health", timeout=5)[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PACKED_SS_COMPILE_CACHE="off")
-    proc = subprocess.Popen([sys.executable, "-m", "packed_ss_jax", "serve", "--port", str(port)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if _http(base, "GET", "/health", timeout=1)[0] == 200:
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"server did not start: {proc.stdout.read().decode()[-2000:]}")
-            time.sleep(0.2)
-        yield proc, base
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=30)
+    with running() as s:
+        yield s.proc, s.base
 
 
 @pytest.fixture(scope="module")

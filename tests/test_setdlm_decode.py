@@ -200,7 +200,7 @@ def test_second_decode_does_not_recompile():
     (dict(window=0), "window must be an integer >= 1"),
     (dict(window=2.5), "window must be an integer >= 1"),
     (dict(stop_sequences=[[]]), "empty stop sequence"),
-    (dict(stop_sequences=[[2, 99]]), r"stop sequence contain ids outside the vocabulary"),
+    (dict(stop_sequences=[[2, 99]]), r"stop sequence: ids outside the vocabulary"),
     (dict(stop_sequences=[[2] * 17]), "longer than 16"),
     (dict(stop_sequences=[[2]] * 8), "9 stop markers"),
     (dict(stop_sequences=["ab"]), "no tokenizer"),

@@ -6,11 +6,17 @@
      "config": {...ModelConfig fields...},
      "arrays": {"layers/attn/q_proj": {"shape": [L, d, d], "dtype": "bfloat16",
                                        "sha256": "<64 hex digits>"}, ...},
-     "files":  ["config.json", "params/", "params/_METADATA", ...]}
+     "files":  ["config.json", "params/", "params/_METADATA", ...],
+     "checksums": {"config": "<64 hex digits>", "config.json": "<64 hex digits>"},
+     "sizes": {"params/_METADATA": 5714, ...}}
 
 `arrays` names every param array of the stored layout (`layers/...` stacked over the
 layers, see `model.py`) with its shape, dtype and the SHA-256 of its bytes as written, so
-a damaged or edited params file is caught at load. `files` lists every file and
+a damaged or edited params file is caught at load. `checksums` covers what the arrays do
+not and what changes the tokens as much: "config" is the SHA-256 of the `config` object
+above (`config_checksum`: canonical JSON, so only a changed value counts), "config.json"
+that of the copied file's bytes. `sizes` gives every file under params/ in bytes, so a
+truncated one is named before orbax tries to read it. `files` lists every file and
 directory (trailing "/") the conversion wrote besides the marker itself: `--overwrite`
 replaces a directory only when it holds nothing else.
 
@@ -18,8 +24,9 @@ Versions: 3 stores params/ in the decoding layout, one array per layer weight
 (`layer_{i}/attn/q_proj`), so that neither writing nor reading ever stacks a weight
 over the layers; a stacked array's checksum is that of its layers' bytes one after
 another, so it is computed from the per-layer arrays alone and equals version 2's. Version 2
-stored params/ stacked (`layers/...`). Version 1 had only `config`. Both still load
-(version 1 without checksum verification).
+stored params/ stacked (`layers/...`). Version 1 had only `config`. All still load
+(version 1 without checksum verification). `checksums` and `sizes` came later within
+version 3: a marker without them loads with a warning that its config is not verified.
 
 Everything read from a marker is validated here, so a damaged one gives an error naming
 the file and the field instead of a traceback further down.
@@ -39,7 +46,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from ..config import ConfigError, ModelConfig
+from ..config import ConfigError, ModelConfig, check_token_ids
 from .errors import CheckpointError
 
 MARKER = "packed_ss_config.json"
@@ -48,7 +55,11 @@ VERSION = 3
 READABLE = (1, 2, 3)
 _V2_KEYS = {"format", "version", "config", "arrays", "files"}
 _KEYS = {1: {"format", "version", "config"}, 2: _V2_KEYS, 3: _V2_KEYS}
+# Keys a marker of that version may lack (written before they were added).
+_LATER_KEYS = {3: {"checksums", "sizes"}}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+# The copied files whose checksum a conversion records (in `checksums`).
+COVERED_FILES = ("config.json",)
 
 
 def checksum(a) -> str:
@@ -62,6 +73,24 @@ def checksum(a) -> str:
     for part in (a if isinstance(a, (list, tuple)) else [a]):
         flat = np.ascontiguousarray(part).reshape(-1).view(np.uint8)
         h.update(memoryview(flat))
+    return h.hexdigest()
+
+
+def config_checksum(config: dict) -> str:
+    """SHA-256 of a marker's `config` object as canonical JSON (sorted keys, no spaces):
+    reformatting the file does not change it, a changed value does. Taken of the object
+    as written rather than of a ModelConfig, so a field added to ModelConfig later does
+    not change the checksum of an older conversion."""
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def file_checksum(path: Path) -> str:
+    """SHA-256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
     return h.hexdigest()
 
 
@@ -141,19 +170,47 @@ def read(path: str | Path) -> dict:
     if type(version) is not int or version not in READABLE:
         raise CheckpointError(f"{file}: format version {version!r} is not one this packed_ss_jax "
                               f"reads {list(READABLE)}; convert the checkpoint again")
+    later = _LATER_KEYS.get(version, set())
     missing = sorted(_KEYS[version] - set(meta))
-    unknown = sorted(set(meta) - _KEYS[version])
+    unknown = sorted(set(meta) - _KEYS[version] - later)
     if missing or unknown:
         raise CheckpointError(f"{file}: " + "; ".join(
             ([f"missing keys {missing}"] if missing else [])
             + ([f"unknown keys {unknown}"] if unknown else [])))
-    meta["config"] = _config(meta["config"], file)
+    raw = meta["config"]
+    meta["config"] = _config(raw, file)
+    # What `checksums["config"]` is compared with (see `store.restore`).
+    meta["config_digest"] = config_checksum(raw)
     if version >= 2:
         _check_arrays(meta["arrays"], file)
         files = meta["files"]
         if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
             raise CheckpointError(f"{file}: 'files' must be a list of relative paths")
+    if "checksums" in meta:
+        _check_checksums(meta["checksums"], file)
+    if "sizes" in meta:
+        _check_sizes(meta["sizes"], file)
     return meta
+
+
+def _check_checksums(sums, file: Path):
+    ok = (isinstance(sums, dict) and "config" in sums
+          and set(sums) <= {"config", *COVERED_FILES}
+          and all(isinstance(v, str) and _HEX64.fullmatch(v) for v in sums.values()))
+    if not ok:
+        raise CheckpointError(f"{file}: 'checksums' must be {{\"config\": 64 hex digits}} plus "
+                              f"any of {list(COVERED_FILES)}, found {sums!r}")
+
+
+def _check_sizes(sizes, file: Path):
+    def ok(rel, n):
+        parts = rel.split("/") if isinstance(rel, str) else []
+        return (len(parts) > 1 and parts[0] == "params" and ".." not in parts and "" not in parts
+                and type(n) is int and n >= 0)
+
+    if not isinstance(sizes, dict) or not all(ok(r, n) for r, n in sizes.items()):
+        raise CheckpointError(f"{file}: 'sizes' must map files under params/ to byte counts "
+                              f"(ints >= 0), found {sizes!r}"[:400])
 
 
 def _field_types() -> dict[str, tuple[type, ...]]:
@@ -192,7 +249,9 @@ def _config(d, file: Path) -> ModelConfig:
                                for a in dict.fromkeys(allowed))
             raise ConfigError(f"{file}: config field {name!r} must be {want}, found {v!r}")
     try:
-        return ModelConfig.from_dict(d)
+        config = ModelConfig.from_dict(d)
+        check_token_ids(config)
+        return config
     except (ConfigError, TypeError, ValueError) as e:
         raise ConfigError(f"{file}: {e}") from None
 

@@ -1,7 +1,9 @@
 """Converted checkpoints: orbax params plus a marker with the config and checksums.
 
 Layout of a converted directory:
-    packed_ss_config.json   format, version, config, per-array SHA-256, file list (marker.py)
+    packed_ss_config.json   format, version, config, per-array SHA-256, file list, the
+                            SHA-256 of the config and of the copied config.json, the size
+                            of every params file (marker.py)
     params/                 orbax checkpoint of the params in the decoding layout
                             (`layer_{i}/...`, one array per layer weight), uncompressed
     config.json, tokenizer files   copied from the source, when present
@@ -26,11 +28,14 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
 import stat
+import sys
 import threading
+import time
 import uuid
 import warnings
 from pathlib import Path
@@ -153,6 +158,12 @@ def _bytes_under(root: Path) -> int:
     return total
 
 
+def _sizes(root: Path, sub: str) -> dict[str, int]:
+    """Bytes of every file under root/sub, by path relative to root."""
+    return {rel: (root / rel).stat().st_size
+            for rel in _walk(root) if rel.startswith(sub + "/") and not rel.endswith("/")}
+
+
 def _walk(root: Path) -> list[str]:
     out = []
     for d, dirs, files in os.walk(root):
@@ -260,11 +271,17 @@ class Writer:
         try:
             for f in copy_files:
                 shutil.copyfile(f, self.tmp / Path(f).name)
+            raw = config.to_dict()
             meta = {"format": marker.FORMAT, "version": marker.VERSION,
-                    "config": config.to_dict(),
+                    "config": raw,
                     "arrays": {n: {"shape": list(shape), "dtype": dtype, "sha256": sums[n]}
                                for n, (shape, dtype) in sorted(specs.items())},
-                    "files": _walk(self.tmp)}
+                    "files": _walk(self.tmp),
+                    "checksums": {"config": marker.config_checksum(raw),
+                                  **{name: marker.file_checksum(self.tmp / name)
+                                     for name in marker.COVERED_FILES
+                                     if (self.tmp / name).is_file()}},
+                    "sizes": _sizes(self.tmp, "params")}
             (self.tmp / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
         except OSError as e:
             raise DestinationError(f"cannot write into {self.tmp}: {e}") from None
@@ -329,6 +346,72 @@ def save(dst: str | Path, config: ModelConfig, params, copy_files: Iterable[Path
 
 # -- reading -------------------------------------------------------------------------
 
+# Where orbax's own log records come from (orbax is imported only when first used).
+_ORBAX_PART = f"{os.sep}orbax{os.sep}"
+_CLOSED_LOOP = "Event loop is closed"
+# After a failed read: how long no late callback must have come before the filter goes,
+# and the longest wait for that (they came within milliseconds here).
+_SETTLE_S, _SETTLE_MAX_S = 0.2, 2.0
+
+
+class _OrbaxNoise:
+    """While params/ is read, drops what orbax and tensorstore print around a failed read,
+    so that the failure is the one-line CheckpointError alone: tensorstore's completion
+    callbacks for the reads still in flight land on the event loop orbax has already
+    closed, each an unraisable RuntimeError traceback printed from tensorstore's threads
+    (up to milliseconds after the failure), and orbax logs warnings through absl.
+    Anything else reaches the previous hook or handlers unchanged. Re-entrant and shared
+    between threads: the hook is installed by the first user and removed by the last."""
+
+    _lock = threading.Lock()
+    _users = 0
+    _previous = None
+    _installed = None  # the bound method set as the hook (each access makes a new one)
+    _last = 0.0
+
+    def __enter__(self):
+        cls = type(self)
+        with cls._lock:
+            if cls._users == 0:
+                cls._previous = sys.unraisablehook
+                sys.unraisablehook = cls._installed = cls._hook
+                logging.getLogger("absl").addFilter(cls._log_filter)
+            cls._users += 1
+        return self
+
+    def __exit__(self, kind, value, tb):
+        cls = type(self)
+        if kind is not None:
+            cls._settle(time.monotonic())
+        with cls._lock:
+            cls._users -= 1
+            if cls._users == 0:
+                if sys.unraisablehook is cls._installed:  # unless replaced since
+                    sys.unraisablehook = cls._previous
+                logging.getLogger("absl").removeFilter(cls._log_filter)
+
+    @classmethod
+    def _hook(cls, unraisable):
+        if isinstance(unraisable.exc_value, RuntimeError) and \
+                str(unraisable.exc_value) == _CLOSED_LOOP:
+            cls._last = time.monotonic()
+            return
+        cls._previous(unraisable)
+
+    @staticmethod
+    def _log_filter(record: logging.LogRecord) -> bool:
+        return _ORBAX_PART not in record.pathname
+
+    @classmethod
+    def _settle(cls, failed_at: float):
+        """Waits until the reads a failure left in flight have had their callbacks."""
+        deadline = failed_at + _SETTLE_MAX_S
+        while (now := time.monotonic()) < deadline:
+            quiet_since = max(failed_at, cls._last)
+            if now - quiet_since >= _SETTLE_S:
+                return
+            time.sleep(min(_SETTLE_S, deadline - now))
+
 def _metadata(params_dir: Path):
     """orbax's metadata tree of params/ (shapes and dtypes), without reading any array."""
     import orbax.checkpoint as ocp
@@ -338,6 +421,9 @@ def _metadata(params_dir: Path):
     except Exception as e:  # orbax raises several types for damaged metadata
         raise CheckpointError(f"cannot read the array metadata in {params_dir}: {e}") from None
     tree = getattr(meta, "item_metadata", meta)
+    if tree is None:  # orbax logs a warning and returns nothing for unreadable metadata
+        raise CheckpointError(f"cannot read the array metadata in {params_dir} (damaged params "
+                              "files)")
     try:
         marker.specs(tree)
     except (AttributeError, TypeError) as e:
@@ -384,14 +470,18 @@ def restore(path: str | Path, config: ModelConfig, verify: bool = True, progress
             place=None):
     """Params of a converted checkpoint in the decoding layout, cast to `config.dtype`.
 
-    The marker's array list and orbax's metadata are compared with the shapes and dtypes
-    `config` implies before any array is read. Arrays are then read a layer at a time
-    (see module doc) and each is handed to `place` (default `jax.device_put`) as soon as
-    it is read. With `verify`
-    (the default) each stored array is hashed and compared with the SHA-256 recorded at
-    conversion; every mismatch is named. The hashing costs about 0.6 s per GiB per core
-    here and runs while the next layer is read; `verify=False` skips it. Version-1
-    directories have no checksums: they are checked for NaN/Inf instead.
+    Before any array is read: a params file shorter than written (the marker's `sizes`)
+    is named; with `verify`, the marker's config and the copied config.json are compared
+    with the checksums recorded at conversion (a marker from before they were recorded
+    loads with a warning); the marker's array list and orbax's metadata are compared with
+    the shapes and dtypes `config` implies. Arrays are then read a layer at a time (see
+    module doc) and each is handed to `place` (default `jax.device_put`) as soon as it is
+    read. With `verify` (the default) each stored array is hashed and compared with the
+    SHA-256 recorded at conversion; every mismatch is named. The hashing costs about
+    0.6 s per GiB per core here and runs while the next layer is read; `verify=False`
+    skips it. Version-1 directories have no checksums: they are checked for NaN/Inf
+    instead. A read that fails is one CheckpointError, without the tracebacks orbax and
+    tensorstore would print around it (`_OrbaxNoise`).
 
     On a device mesh (`place` a `sharding.Placer`) only the slices this process's devices
     hold are cast and placed, but every process still reads (and, verifying, hashes)
@@ -407,23 +497,94 @@ def restore(path: str | Path, config: ModelConfig, verify: bool = True, progress
     params_dir = path / "params"
     if not params_dir.is_dir():
         raise CheckpointError(f"{path} has {MARKER} but no params/ directory")
-    target = np.dtype(model_lib.param_dtype(config))
+    _check_sizes(path, meta)
+    if verify:
+        # First: an edited config may describe a model whose shapes take long to derive.
+        _verify_config(path, meta)
     # Read in the dtype it was stored in, then cast: a bf16 checkpoint loads as float32
     # on CPU and the other way round.
     as_stored = model_lib.abstract_params(config.replace(dtype=stored.dtype))
+    with _OrbaxNoise():
+        found_tree = _check_layout(path, meta, as_stored)
+        params, hashers, non_finite = _read_all(path, meta, config, as_stored, found_tree,
+                                                verify, progress, place)
+    if non_finite:
+        raise CheckpointError(f"{path}: non-finite values in {', '.join(non_finite)}")
+    if verify:
+        _verify_arrays(path, meta, hashers)
+    return params
+
+
+def _check_sizes(path: Path, meta: dict):
+    """Names a params file that is missing or shorter than written (truncated) before orbax
+    reads it, whether verifying or not: orbax could not read it either."""
+    for rel, written in meta.get("sizes", {}).items():
+        file = path / rel
+        try:
+            found = file.stat().st_size
+        except OSError:
+            raise CheckpointError(f"{file}: missing ({written} bytes were written at "
+                                  "conversion): the params files are damaged; copy the "
+                                  "checkpoint again or convert again") from None
+        if found < written:
+            raise CheckpointError(f"{file}: {found} bytes, {written} were written at conversion "
+                                  "(truncated); copy the checkpoint again or convert again")
+
+
+def _check_layout(path: Path, meta: dict, as_stored) -> dict:
+    """orbax's metadata tree of params/, once it and the marker's arrays list agree with
+    the shapes and dtypes the config implies."""
     expected = marker.specs(as_stored)
     problems = []
     if meta["version"] >= 2:
         recorded = {n: (tuple(a["shape"]), a["dtype"]) for n, a in meta["arrays"].items()}
         problems += marker.compare(expected, recorded, f"the arrays list of {MARKER}")
-    found_tree = _metadata(params_dir)
+    found_tree = _metadata(path / "params")
     found, layout = marker.stored_specs(found_tree)
     problems += [f"params/: {p}" for p in layout] + marker.compare(expected, found, "params/")
     if problems:
         raise CheckpointError(f"{path}: params do not match the config in {MARKER}:\n  "
                               + "\n  ".join(problems))
+    return found_tree
+
+
+_AGAIN = "convert again, or pass verify=False / --no-verify to load anyway"
+
+
+def _verify_config(path: Path, meta: dict):
+    """The marker's config and the copied config.json against the checksums recorded at
+    conversion (a marker written before they were recorded is warned about once the
+    arrays are verified)."""
+    sums = meta.get("checksums")
+    if sums is None:
+        return
+    if meta["config_digest"] != sums["config"]:
+        raise CheckpointError(f"{path / MARKER}: its 'config' changed after conversion "
+                              "(checksum mismatch), so it no longer describes the params it "
+                              f"was converted with; {_AGAIN}")
+    for name in marker.COVERED_FILES:
+        if name not in sums:
+            continue
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing (it was copied here at conversion); copy it "
+                                  f"back, {_AGAIN}")
+        if marker.file_checksum(file) != sums[name]:
+            # The loader reads the config in the marker: an edit here would not take effect.
+            raise CheckpointError(f"{file}: changed after conversion (checksum mismatch); a "
+                                  f"converted checkpoint runs with the config of {MARKER}, so "
+                                  "edit the Hugging Face checkpoint's config.json and "
+                                  f"{_AGAIN}")
+
+
+def _read_all(path: Path, meta: dict, config: ModelConfig, as_stored, found_tree, verify: bool,
+              progress: bool, place):
+    """Every array of params/, a group at a time (see module doc), placed as it is read:
+    (params, the stored names' hashers, the arrays holding NaN/Inf)."""
+    params_dir = path / "params"
+    target = np.dtype(model_lib.param_dtype(config))
     groups = _groups(as_stored, marker.is_layered(found_tree))
-    hashers = {n: hashlib.sha256() for n in expected}
+    hashers = {n: hashlib.sha256() for n in marker.specs(as_stored)}
     non_finite: list[str] = []
     checksummed = verify and meta["version"] >= 2
 
@@ -457,22 +618,26 @@ def restore(path: str | Path, config: ModelConfig, verify: bool = True, progress
             del arrays
         for f in pending:
             f.result()
-    if non_finite:
-        raise CheckpointError(f"{path}: non-finite values in {', '.join(non_finite)}")
-    if not verify:
-        return params
+    return params, hashers, non_finite
+
+
+def _verify_arrays(path: Path, meta: dict, hashers: dict):
+    """Each array's hash against the marker's; a marker without checksums is warned about
+    (stacklevel: the caller of `load`)."""
     if meta["version"] < 2:
         warnings.warn(f"{path} was converted by an older version that recorded no checksums: "
                       "checked for NaN/Inf only; convert it again to get verification",
-                      stacklevel=3)
-        return params
-    bad = [n for n in expected if hashers[n].hexdigest() != meta["arrays"][n]["sha256"]]
+                      stacklevel=4)
+        return
+    bad = [n for n in hashers if hashers[n].hexdigest() != meta["arrays"][n]["sha256"]]
     if bad:
         raise CheckpointError(
             f"{path}: checksum mismatch in {', '.join(bad)}: the params files changed after "
-            "conversion (damaged or edited); convert again, or pass verify=False / --no-verify "
-            "to load anyway")
-    return params
+            f"conversion (damaged or edited); {_AGAIN}")
+    if "checksums" not in meta:
+        warnings.warn(f"{path}: {MARKER} records no checksum of its config (converted by an "
+                      "older packed_ss_jax), so a changed config goes unnoticed; convert again "
+                      "to cover it", stacklevel=4)
 
 
 def _place(params: dict, name: str, a: np.ndarray, target, place):
