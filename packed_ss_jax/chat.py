@@ -41,8 +41,9 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token
 MAX_TEMPLATE_BYTES = 1 << 20  # real templates are a few kB
 MAX_DEPTH = 64  # levels of lists and dicts in the template's data (tool schemas use ~10)
 # Names render() gives the template itself, or takes for its limits: not template kwargs.
-# (add_generation_prompt is one too, but a request may choose it.)
-RESERVED = ("messages", "tools", "documents", "time_limit", "max_chars")
+# (add_generation_prompt, tools and documents are render()'s too, but a request may give
+# them there: the API has no field of its own for them.)
+RESERVED = ("messages", "time_limit", "max_chars")
 _LIMITS = ("time_limit", "max_chars")
 
 
@@ -81,9 +82,7 @@ class ChatTemplate:
                documents=None, **kwargs) -> str:
         """The conversation as the model's prompt text, rendered in the template worker
         (template_render.py) within this template's time_limit and max_chars."""
-        # tools and documents cannot be told from the keywords; template_kwargs() refuses
-        # them in a request.
-        _refuse_reserved(kwargs, ("messages", "time_limit", "max_chars"))
+        _refuse_reserved(kwargs, RESERVED)
         context, size = self._context(messages, add_generation_prompt, tools, documents,
                                       kwargs)
         if size > self.max_chars:

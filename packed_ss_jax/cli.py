@@ -189,12 +189,12 @@ def _serve(argv: list[str] | None, prog: str) -> int:
                    help="address to listen on (default 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int_at_least(0), default=8000,
                    help="port (default 8000; 0: any free port, printed at startup)")
-    p.add_argument("--served-model-name", default=None,
+    p.add_argument("--served-model-name", type=text, default=None,
                    help="the model id clients ask for (default: the checkpoint's folder name)")
     p.add_argument("--schedule", default="packed", choices=families.all_schedules(),
                    help="decoding schedule (default packed)")
     width_args(p)
-    p.add_argument("--api-key", default=os.environ.get("PACKED_SS_API_KEY"),
+    p.add_argument("--api-key", type=text, default=os.environ.get("PACKED_SS_API_KEY") or None,
                    help="clients must send 'Authorization: Bearer KEY' (default: "
                         "$PACKED_SS_API_KEY; none: no key)")
     p.add_argument("--max-body-bytes", type=int_at_least(1024), default=d.max_body_bytes,

@@ -115,10 +115,14 @@ def _distrust(real: Path) -> tuple[str, str | None] | None:
         return f"is owned by user {info.st_uid}, not by this user ({me})", None
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return "is writable by group or others", f"chmod go-w {real}"
-    # Whoever can write to a parent can rename the directory and put their own in its
-    # place, unless the parent is sticky (as /tmp is).
+    # Whoever can write to a parent (its owner, or its group or everyone when it allows)
+    # can rename the directory and put their own in its place, unless the parent is
+    # sticky (as /tmp is): every parent must be this user's or root's.
     for parent in real.parents:
-        mode = parent.stat().st_mode
-        if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
-            return f"is inside {parent}, which anyone can write to", f"chmod o-w {parent}"
+        pinfo = parent.stat()
+        if pinfo.st_uid not in (me, 0):
+            return f"is inside {parent}, owned by user {pinfo.st_uid}", None
+        if pinfo.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not pinfo.st_mode & stat.S_ISVTX:
+            return (f"is inside {parent}, which group or others can write to",
+                    f"chmod go-w {parent}")
     return None

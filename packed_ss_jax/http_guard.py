@@ -72,8 +72,8 @@ class Guard:
 
     OPEN = frozenset({"/health"})
 
-    def __init__(self, app, limits: Limits):
-        self.app, self.limits = app, limits
+    def __init__(self, app, limits: Limits, expired: asyncio.Event | None = None):
+        self.app, self.limits, self.expired = app, limits, expired
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -90,7 +90,9 @@ class Guard:
         if refusal is not None:
             return await _reply(send, *refusal)
         try:
-            body = await asyncio.wait_for(self._read(receive), self.limits.body_timeout_s)
+            body = await within(self._read(receive), self.limits.body_timeout_s, self.expired)
+        except Expired:
+            return await _reply(send, 503, shutting_down())
         except _TooLarge:
             return await _reply(send, *self._too_large())
         except _Disconnected:
@@ -133,6 +135,37 @@ class Guard:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+
+class Expired(Exception):
+    """The server's drain has run out: what is still waiting gets 503."""
+
+
+async def within(work, timeout: float, expired: asyncio.Event | None):
+    """`work`'s result; TimeoutError past `timeout` seconds; `Expired` once `expired` is
+    set (the drain's deadline: uvicorn cancels what is still running soon after, which
+    would give the client a plain-text 500)."""
+    task = asyncio.ensure_future(work)
+    waits = {task}
+    if expired is not None:
+        waits.add(asyncio.ensure_future(expired.wait()))
+    try:
+        done, _ = await asyncio.wait(waits, timeout=timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits - {task}:
+            w.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    if expired is not None and expired.is_set():
+        raise Expired
+    raise TimeoutError
+
+
+def shutting_down() -> dict:
+    return error_body("the server is shutting down; retry with another server",
+                      "server_error", code="server_shutting_down")
 
 
 class _TooLarge(Exception):

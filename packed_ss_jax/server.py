@@ -47,8 +47,8 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, 
                       StrictInt, StrictStr)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import api, chat, requests
-from .http_guard import Guard, Limits, error_body, protocol
+from . import api, chat, requests, stops
+from .http_guard import Expired, Guard, Limits, error_body, protocol, shutting_down, within
 from .requests import InputError
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
@@ -126,8 +126,8 @@ class APIError(Exception):
 
 
 def _shutting_down() -> APIError:
-    return APIError(503, "the server is shutting down; retry with another server",
-                    "server_error", code="server_shutting_down")
+    e = shutting_down()["error"]
+    return APIError(503, e["message"], e["type"], code=e["code"])
 
 
 class Scrubber:
@@ -181,6 +181,7 @@ class Decoder:
         self.thread = threading.Thread(target=self._work, name="packed-ss-decoder", daemon=True)
         self.busy = False
         self.draining = False
+        self.expired = asyncio.Event()   # set at the drain's deadline (on the event loop)
         self.cancelled = 0   # requests whose client left before the decode finished
 
     def start(self) -> None:
@@ -202,6 +203,8 @@ class Decoder:
         self.live.discard(job)
 
     def abort_all(self) -> None:
+        """The drain's deadline: every request still waiting ends with a 503."""
+        self.expired.set()
         for job in list(self.live):
             job.abort(_shutting_down())
 
@@ -258,12 +261,14 @@ class Preparer:
     template rendered and the prompt tokenized once (the decoder gets token ids), the
     context and every other argument checked (`api.check`, no JAX work)."""
 
-    def __init__(self, model, defaults: dict, limits: Limits):
-        self.model, self.defaults, self.limits = model, defaults, limits
+    def __init__(self, model, defaults: dict, limits: Limits, expired: asyncio.Event):
+        self.model, self.defaults, self.limits, self.expired = model, defaults, limits, expired
         self.context = model.config.max_position_embeddings
         # No token covers more characters than its vocabulary entry spells, so a text
         # longer than this cannot fit the context: refused before the tokenizer sees it.
-        self.max_chars = self.context * _longest_token(model.tokenizer)
+        longest = _longest_token(model.tokenizer)
+        self.max_chars = self.context * longest
+        self.max_stop_chars = stops.MAX_STOP_LEN * longest  # likewise, a stop's tokens
         self.pool = concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS,
                                                           thread_name_prefix="packed-ss-prepare")
         self._lock, self._active = threading.Lock(), 0
@@ -272,7 +277,9 @@ class Preparer:
         loop = asyncio.get_running_loop()
         work = loop.run_in_executor(self.pool, self._prepare, options, max_tokens_field)
         try:
-            return await asyncio.wait_for(work, self.limits.prepare_timeout_s)
+            return await within(work, self.limits.prepare_timeout_s, self.expired)
+        except Expired:
+            raise _shutting_down() from None
         except TimeoutError:
             raise APIError(503, f"preparing the request (chat template, tokenizer) took longer "
                                 f"than {self.limits.prepare_timeout_s:g} s", "server_error",
@@ -308,6 +315,11 @@ class Preparer:
                                    code="context_length_exceeded")
                 ids = requests.prompt_ids(self.model, prompt)
             ids = [int(i) for i in ids]
+            for stop in options["stop_sequences"]:
+                if len(stop) > self.max_stop_chars:  # before the tokenizer sees it
+                    raise APIError(400, f"a stop string of {len(stop)} characters is longer "
+                                        f"than the {stops.MAX_STOP_LEN} tokens a stop may "
+                                        "have", param="stop")
             self._fits(len(ids), options["max_new_tokens"], field, max_tokens_field)
             api.check(self.model, ids, **self.defaults, **options)
         except chat.TemplateError as e:  # the template's own words may name any field
@@ -340,13 +352,14 @@ def _longest_token(tokenizer) -> int:
 
 
 def create_app(model, name: str, *, schedule: str = "packed", width: dict | None = None,
-               limits: Limits | None = None) -> FastAPI:
-    """The ASGI app serving `model` under the model id `name` (the FastAPI app inside
-    the connection and body limits of `limits`)."""
+               limits: Limits | None = None) -> Guard:
+    """The ASGI app serving `model` under the model id `name`: the FastAPI app (its
+    `.app`) inside the connection and body limits of `limits`."""
     limits = limits or Limits()
     decoder = Decoder(model)
     created = int(time.time())
-    prepare = Preparer(model, dict(schedule=schedule, **(width or {})), limits)
+    defaults = dict(schedule=schedule, **(width or {}))
+    prepare = Preparer(model, defaults, limits, decoder.expired)
     scrub = Scrubber(model, name)
 
     async def lifespan(app):
@@ -522,7 +535,7 @@ def create_app(model, name: str, *, schedule: str = "packed", width: dict | None
 
         return await _run(options, max_tokens_field, stream_fn, final_fn, body.stream)
 
-    return Guard(app, limits)
+    return Guard(app, limits, decoder.expired)
 
 
 def _field_path(loc) -> list[str]:
@@ -581,7 +594,6 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError:
         sock.close()
         raise
-    sock.set_inheritable(True)
     return sock
 
 
@@ -625,6 +637,9 @@ class _Draining(uvicorn.Server):
         # uvicorn's own re-raises the signal once it has shut down, which would end a
         # drained server with "killed by SIGTERM" (or a KeyboardInterrupt); a drained
         # server exits with status 0.
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals reach the main thread only: its owner stops this server
+            return
         handlers = {sig: signal.signal(sig, self.handle_exit)
                     for sig in (signal.SIGINT, signal.SIGTERM)}
         try:

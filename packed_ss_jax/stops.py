@@ -65,7 +65,7 @@ def table(tokenizer, vocab: int, eos_id: int | None, stop_sequences) -> dict:
             if not seq:
                 raise InputError("empty stop sequence: every stop marker needs at least one "
                                  "character")
-            seq = tokenizer.encode(seq, add_special_tokens=False).ids
+            seq = requests.encode(tokenizer, seq, add_special_tokens=False)
         if requests.is_int(seq):
             seq = [seq]
         elif isinstance(seq, Iterable) and not hasattr(seq, "__len__"):

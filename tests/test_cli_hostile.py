@@ -368,15 +368,28 @@ def test_directory_of_another_user_is_refused(cache_check, tmp_path):
     assert len(warned) == 1 and "owned by user 65534" in warned[0] and str(theirs) in warned[0]
 
 
-def test_directory_inside_a_world_writable_one_is_refused(cache_check, tmp_path):
-    """Whoever can write to a (not sticky) parent can put their own directory in its place."""
-    parent = tmp_path / "open"
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o2775], ids=oct)
+def test_directory_inside_one_others_can_write_is_refused(cache_check, tmp_path, mode):
+    """Whoever can write to a (not sticky) parent can put their own directory in its place
+    (a group-writable, setgid project directory included)."""
+    parent = tmp_path / f"open{mode:o}"
     parent.mkdir()
-    parent.chmod(0o777)
+    parent.chmod(mode)
     got, warned = cache_check(parent / "xla")
-    assert got is None and len(warned) == 1 and f"chmod o-w {parent}" in warned[0]
+    assert got is None and len(warned) == 1 and f"chmod go-w {parent}" in warned[0]
     parent.chmod(0o1777)  # sticky, as /tmp: nobody else can rename it
     assert cache_check(parent / "xla") == (parent / "xla", [])
+
+
+def test_directory_inside_another_users_is_refused(cache_check, tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give a directory to another user")
+    parent = tmp_path / "theirs"
+    parent.mkdir(mode=0o755)
+    (parent / "xla").mkdir(mode=0o700)
+    os.chown(parent, 65534, 65534)
+    got, warned = cache_check(parent / "xla")
+    assert got is None and len(warned) == 1 and "owned by user 65534" in warned[0]
 
 
 def test_refused_cache_is_one_warning_line_on_stderr(tmp_path):

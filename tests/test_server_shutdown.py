@@ -3,13 +3,18 @@ and compiling, every client gets a 200 or an OpenAI-shaped error (a stream ends 
 error event, then `data: [DONE]`), and the process exits with status 0 within the drain
 bound, without a traceback."""
 
+import json
 import random
+import shutil
 import signal
+import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
+import packed_ss_jax as ps
 from servers import events, is_openai_error, request, running
 
 DRAIN = 2.0
@@ -81,3 +86,39 @@ def test_after_a_drain_nothing_is_left_running():
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(timeout=EXIT_BOUND) == 0
     assert "stopped" in server.output
+
+
+LOOP = ("{%- if messages[0]['content'] == 'loop' %}{% for i in range(100000) %}"
+        "{% for j in range(100000) %}{% endfor %}{% endfor %}{%- else %}")
+
+
+def test_requests_still_preparing_or_uploading_get_a_503_at_the_deadline(tmp_path):
+    """A chat template still rendering, a body still arriving: at the drain's deadline
+    each gets an OpenAI-shaped 503, not uvicorn's plain-text 500."""
+    model = tmp_path / "nld-tiny"
+    shutil.copytree(Path(ps.__file__).parent / "embedded" / "nld-tiny", model)
+    template = model / "chat_template.jinja"
+    template.write_text(LOOP + template.read_text() + "{%- endif %}")
+    with running("--model", str(model), "--drain-timeout", "1") as server:
+        out: dict = {}
+        body = {"model": "nld-tiny", "messages": [{"role": "user", "content": "loop"}]}
+        rendering = threading.Thread(target=lambda: out.update(
+            chat=request(server.base, "POST", "/v1/chat/completions", body, timeout=30)))
+        rendering.start()
+        host, port = server.base.removeprefix("http://").split(":")
+        upload = socket.create_connection((host, int(port)), timeout=30)
+        upload.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                       b"application/json\r\nContent-Length: 100\r\n\r\n{\"model\":")
+        time.sleep(0.5)
+        server.proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        reply = upload.recv(65536)
+        upload.close()
+        rendering.join(timeout=30)
+        assert server.proc.wait(timeout=EXIT_BOUND) == 0, server.output[-3000:]
+    assert time.monotonic() - start < EXIT_BOUND
+    code, chat = out["chat"]
+    assert code == 503 and is_openai_error(chat), chat
+    head, _, rest = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503") and is_openai_error(json.loads(rest)), reply
+    assert "Traceback" not in server.output, server.output
