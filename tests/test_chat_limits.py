@@ -55,12 +55,14 @@ def refused(template: chat.ChatTemplate, pattern: str, messages=MESSAGES) -> str
 
 
 def alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie nobody reaped has ended)."""
+    """Whether any thread of `pid` runs (a zombie nobody reaped has ended; its leader is a
+    zombie before its other threads are gone, and only then can it be reaped)."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        states = [(t / "stat").read_text().rpartition(")")[2].split()[0] for t in tasks]
     except (FileNotFoundError, ProcessLookupError):
         return False
-    return state != "Z"
+    return any(state != "Z" for state in states)
 
 
 def eventually_gone(pid: int, seconds: float) -> bool:

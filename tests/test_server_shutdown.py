@@ -112,7 +112,9 @@ def test_requests_still_preparing_or_uploading_get_a_503_at_the_deadline(tmp_pat
         time.sleep(0.5)
         server.proc.send_signal(signal.SIGTERM)
         start = time.monotonic()
-        reply = upload.recv(65536)
+        reply = b""
+        while chunk := upload.recv(65536):  # the whole reply, then the server closes
+            reply += chunk
         upload.close()
         rendering.join(timeout=30)
         assert server.proc.wait(timeout=EXIT_BOUND) == 0, server.output[-3000:]
