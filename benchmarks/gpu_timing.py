@@ -33,7 +33,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from packed_ss_jax import layouts
+from packed_ss_jax.nemotron import layouts
 from packed_ss_jax import model as model_lib
 from packed_ss_jax.config import ModelConfig
 

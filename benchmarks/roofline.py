@@ -35,7 +35,7 @@ import numpy as np
 from packed_ss_jax import model as model_lib
 from packed_ss_jax.loading import Model
 from packed_ss_jax.sampling import Sampler
-from packed_ss_jax.schedules import SCHEDULES
+from packed_ss_jax.nemotron.program import SCHEDULES
 
 from .synthetic_checkpoint import model_config
 

@@ -226,10 +226,16 @@ def stream(model, prompt: str | Sequence[int] | None = None, *,
         schedule=schedule, order=order, temperature=temperature, top_k=top_k, top_p=top_p,
         cache_size=cache_size, max_new_tokens=max_new_tokens, eos_id=eos_id,
         stop_sequences=stop_sequences)
+    return stream_request(model, request, chunk)
+
+
+def stream_request(model, request: engine.Request, chunk: int = engine.DEFAULT_CHUNK):
+    """`stream` of a request already checked (`check`): the chunks, nothing checked again."""
     if sharding.mesh_of(model.params) is not None:
         # The chunk programs are compiled for one device; `decode` runs on meshes.
         raise InputError("stream() runs on one device; this model is placed on a mesh "
                          "(load(..., mesh=)): use decode()")
+    family = families.of(model.config)
     decoding = engine.Chunked(model, family, request, chunk)
     return _chunks(model, decoding, request.stop_texts)
 

@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any, Callable
 
 from . import config as config_lib
-from . import schedules as nemotron_schedules
+from .nemotron import program as nemotron_program
 from .checkpoints import nemotron as nemotron_checkpoint
 from .checkpoints import setdlm as setdlm_checkpoint
 from .setdlm import program as setdlm_program
@@ -64,12 +64,12 @@ def _nemotron_config(cfg, dtype, base_config):
 
 NEMOTRON = Family(
     name="nemotron", title="Nemotron-Labs-Diffusion", model_type=config_lib.NEMOTRON_MODEL_TYPE,
-    schedules=tuple(nemotron_schedules.SCHEDULES), reference="ar", inexact=(),
-    sampled=tuple(nemotron_schedules.SCHEDULES), orders=("ltr",), orderless=("ar",),
+    schedules=tuple(nemotron_program.SCHEDULES), reference="ar", inexact=(),
+    sampled=tuple(nemotron_program.SCHEDULES), orders=("ltr",), orderless=("ar",),
     width_name="block_size", width_symbol="B", min_width=2, width_counts_x=True, stop_sequences=True,
     parse_config=_nemotron_config, read_weights=nemotron_checkpoint.read,
     adapter_dir=nemotron_checkpoint.LORA_DIR, read_adapter=nemotron_checkpoint.lora_config,
-    build=nemotron_schedules.build, limits=nemotron_schedules.limits)
+    build=nemotron_program.build, limits=nemotron_program.limits)
 
 SETDLM = Family(
     name="setdlm", title="SetDLM", model_type=config_lib.SETDLM_MODEL_TYPE,

@@ -17,7 +17,7 @@ def first_argmax(x):
 
     NaN counts as -inf, so the result is always an index in [0, n) (a row of NaN gives
     0); without that, no entry equals a NaN maximum and the min would return n. The
-    decode loop reports non-finite logits separately (schedules/state.py)."""
+    decode loop reports non-finite logits separately (nemotron/state.py)."""
     n = x.shape[-1]
     x = jnp.where(jnp.isnan(x), -jnp.inf, x)
     top = jnp.max(x, axis=-1, keepdims=True)

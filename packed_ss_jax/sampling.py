@@ -16,7 +16,7 @@ product's rounding error). Here the largest logit is set to exactly 0 before the
 scaling, tokens are drawn with the Gumbel-max trick on log-probabilities, the
 acceptance is exp(min(0, log p - log Q)) and the residual is formed in log space, so
 any T > 0 gives a valid law and T -> 0 gives the argmax. NaN logits count as -inf
-here (the decode loop reports them, see schedules/state.py); a drawn id is always in
+here (the decode loop reports them, see nemotron/state.py); a drawn id is always in
 [0, V).
 
 Storage of Q: without truncation, full rows [W, V]; with top-k, the k largest entries

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 import packed_ss_jax as ps
-from packed_ss_jax import layouts
+from packed_ss_jax.nemotron import layouts
 
 PAD_TO = 128
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from packed_ss_jax import cache as cache_lib
-from packed_ss_jax import layouts
+from packed_ss_jax.nemotron import layouts
 from packed_ss_jax import model as model_lib
 from tiny import tiny_model
 

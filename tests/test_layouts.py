@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from packed_ss_jax import layouts
+from packed_ss_jax.nemotron import layouts
 
 M = 99  # MASK id in these tests
 

@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from packed_ss_jax import Model, cache as cache_lib, layouts
+from packed_ss_jax import Model, cache as cache_lib
+from packed_ss_jax.nemotron import layouts
 from packed_ss_jax import model as model_lib
 from tiny import _params, tiny_config
 

@@ -18,7 +18,7 @@ import pytest
 
 import packed_ss_jax as ps
 from packed_ss_jax import cache as cache_lib
-from packed_ss_jax import layouts
+from packed_ss_jax.nemotron import layouts
 from packed_ss_jax import model as model_lib
 
 

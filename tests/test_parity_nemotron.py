@@ -6,7 +6,8 @@ import pytest
 
 import packed_ss_jax as ps
 from packed_ss_jax import cache as cache_lib
-from packed_ss_jax import layouts, rope
+from packed_ss_jax import rope
+from packed_ss_jax.nemotron import layouts
 
 ATOL = 1e-4
 

@@ -15,7 +15,7 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from .. import layouts
+from ..nemotron import layouts
 
 ADAPTER_SCHEDULES = ("ar", "linear", "quadratic", "packed")  # Nemotron-Labs-Diffusion
 

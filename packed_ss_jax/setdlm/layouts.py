@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ..layouts import Call
+from ..calls import Call
 from .state import Window
 
 

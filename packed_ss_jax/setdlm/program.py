@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import cache as cache_lib
-from .. import layouts as base_layouts
+from .. import calls
 from .. import stops
 from ..loop import Loop
 from ..reductions import leading_true
@@ -27,9 +27,8 @@ ORDERS = ("ltr", "confidence")
 def start(m, params, prompt, n, *, p, max_new, stop_tok, stop_len, key) -> State:
     """The prompt call (1 NFE): a causal pass that fills the cache (App. E.2)."""
     W, P = p.width, prompt.shape[0]
-    call = base_layouts.prefill(prompt)
-    _, kv = m.forward(params, call.tokens, call.positions, call.mask, m.empty_cache(0), 0,
-                      call.draft_rows, jnp.zeros(1, jnp.int32))
+    _, kv = calls.run_call(m, params, calls.prefill(prompt), m.empty_cache(0), 0,
+                           jnp.zeros(1, jnp.int32))
     # Headroom past `capacity` keeps every commit of up to 1 + 2W rows in range.
     S, C = p.capacity + 2 * W + 2, p.capacity + W
     cache = cache_lib.commit(m.empty_cache(S), kv, jnp.arange(P), 0)

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import cache as cache_lib
+from .. import calls
 from ..reductions import first_argmax, leading_true, nonfinite_rows
 
 # The release sets the MASK logit to -1e12 before its softmax/argmax.
@@ -192,8 +193,7 @@ def visible(s: State):
 
 def run_call(m, params, call, s: State, out_rows):
     """One NFE: a SetDLM layout through the model's forward, over the visible cache."""
-    return m.forward(params, call.tokens, call.positions, call.mask, s.cache, visible(s),
-                     call.draft_rows, out_rows)
+    return calls.run_call(m, params, call, s.cache, visible(s), out_rows)
 
 
 def apply_stop(s: State) -> State:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from .. import layouts
-from ..sampling import Sampler
-from .state import State, advance, choose_first, run_call, split
+from ...sampling import Sampler
+from ..state import State, advance, choose_first, run_call, split
 
 
 def step(m, params, s: State, *, B: int, sampler: Sampler) -> State:

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import cache as cache_lib
+from .. import calls
 from .. import sampling, stops
 from ..reductions import first_argmax, leading_true, nonfinite_rows
 from ..sampling import Sampler, StoredQ
@@ -62,9 +63,8 @@ class State:
 
 
 def run_call(m: ForwardModel, params, call, cache, cache_len, out_rows=None):
-    """One NFE: a layout (see layouts.py) through the model's forward."""
-    return m.forward(params, call.tokens, call.positions, call.mask, cache, cache_len,
-                     call.draft_rows, out_rows)
+    """One NFE: a layout (see layouts.py) over the first `cache_len` cache slots."""
+    return calls.run_call(m, params, call, cache, cache_len, out_rows)
 
 
 def verifier_tokens(logits):

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from .. import layouts
-from ..sampling import Sampler
-from .state import State, advance, propose, run_call, split, verify_draft
+from ...sampling import Sampler
+from ..state import State, advance, propose, run_call, split, verify_draft
 
 
 def step(m, params, s: State, *, B: int, sampler: Sampler) -> State:

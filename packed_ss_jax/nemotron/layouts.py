@@ -12,21 +12,11 @@ cached; `draft` holds `B - 1` slots, MASK-padded.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
 
-
-class Call(NamedTuple):
-    tokens: jnp.ndarray      # [T] int32
-    positions: jnp.ndarray   # [T] int32
-    mask: jnp.ndarray        # [T, T] bool, row attends to column
-    draft_rows: jnp.ndarray  # [T] bool
-
-
-def causal(n: int) -> np.ndarray:
-    return np.tril(np.ones((n, n), bool))
+from ..calls import Call, causal, i32 as _i32, prefill  # noqa: F401 (prefill: this family's too)
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,10 +41,6 @@ def quadratic_mask(B: int) -> np.ndarray:
         m[np.ix_(rows, heads[:i])] = True           # masks see the earlier chain
         m[np.ix_(rows, heads[i] + np.arange(G))] = True  # and their own group
     return m
-
-
-def _i32(a):
-    return jnp.asarray(a, jnp.int32)
 
 
 def single(x, c) -> Call:
@@ -94,12 +80,6 @@ def quadratic(x, draft, c, mask_id: int) -> Call:
     pos = (np.arange(B)[:, None] + np.arange(G)[None, :]).reshape(-1)
     draft_rows = (np.arange(B * G) % G) != 0
     return Call(tokens, c + _i32(pos), jnp.asarray(quadratic_mask(B)), jnp.asarray(draft_rows))
-
-
-def prefill(prompt) -> Call:
-    """Causal pass over the (padded) prompt at positions 0..len-1."""
-    P = prompt.shape[0]
-    return Call(_i32(prompt), _i32(np.arange(P)), jnp.asarray(causal(P)), jnp.zeros(P, bool))
 
 
 def first_call(prompt, n, B: int, mask_id: int) -> Call:

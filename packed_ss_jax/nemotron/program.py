@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import stops
 from ..loop import Loop
-from . import ar, linear, packed, quadratic
+from .schedules import ar, linear, packed, quadratic
 from .prefill import first_call, prefill
 
 # name -> (first call, loop step). AR and Linear-SS start with a plain prefill;

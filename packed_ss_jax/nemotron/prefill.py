@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import cache as cache_lib
-from .. import layouts
+from . import layouts
 from ..reductions import nonfinite_rows
 from ..sampling import Sampler
 from .state import (ForwardModel, State, choose_first, drafter_tokens, empty_q, no_draft, propose,

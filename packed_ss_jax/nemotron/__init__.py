@@ -1,0 +1,1 @@
+"""Nemotron-Labs-Diffusion: its call layouts, loop state, schedules and decode program."""

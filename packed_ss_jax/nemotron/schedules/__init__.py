@@ -1,0 +1,1 @@
+"""One pure step per Nemotron schedule (AR, Linear-SS, Quadratic-SS, Packed-SS)."""
