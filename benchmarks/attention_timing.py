@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Per-call time of the forward with full-buffer attention against live-length attention.
 
 `model.attend` either reads the whole cache buffer in every call ("full") or only the
@@ -8,6 +7,8 @@ times both on the same calls: `rows` causal rows after `live` committed slots of
 
     python -m benchmarks.attention_timing                    # embedded shape, float32
     python -m benchmarks.attention_timing --dtype bfloat16 --cases 4096:300
+    python -m benchmarks.attention_timing --shape smoke --rows 1 --cases 64:40 --repeat 2 \
+        --trials 1                                           # seconds, for a check
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 from packed_ss_jax.nemotron import layouts
 from packed_ss_jax import model as model_lib
 
-from .gpu_timing import config
+from benchmarks.gpu_timing import SHAPES, config
 
 # (cache slots, live slots): the embedded model's benchmark cache half used and full,
 # and a default-sized cache (4096 slots) early and late in a decode.
@@ -78,10 +79,12 @@ def best_times(runs: dict, repeat: int, trials: int, clock: str) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", default="embedded")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--rows", default="1,8,16")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.attention_timing",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="embedded",
+                   help="model dimensions (random weights); smoke: tiny, for a check")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--rows", default="1,8,16", help="rows per call, comma-separated")
     p.add_argument("--cases", default=CASES, help="slots:live pairs")
     p.add_argument("--repeat", type=int, default=100, help="calls per timed loop")
     p.add_argument("--trials", type=int, default=7, help="timed loops per variant (best kept)")

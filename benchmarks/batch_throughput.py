@@ -1,9 +1,8 @@
-#!/usr/bin/env python
 """Throughput versus batch size, per schedule, on the embedded model.
 
 The same prompts (the arithmetic task's first `--prompts`) are decoded by every schedule
 at every batch size: batch size N keeps N slots of one batched program busy, refilling a
-slot as soon as its sequence stops (bench.harness.run, `batch_size=N`; `--batching
+slot as soon as its sequence stops (bench.measure.run, `batch_size=N`; `--batching
 static` decodes groups of N consecutive prompts instead, each until its last sequence
 stops). Per row: total tokens, wall time (compilation excluded), throughput, tokens/NFE
 per sequence and the time of one batched forward call. Per prompt the tokens are those
@@ -16,9 +15,9 @@ call, which serves N sequences at once.
 
 The speculative schedules already put 2B (Linear, Packed) or B(B+1) (Quadratic) rows in
 each call; a batch multiplies those rows by N, so on a compute-bound CPU their calls cost
-about N times as much and batching gains little (see `benchmarks/gpu_timing.py --shapes
-embedded` for the per-call cost by rows). AR's one-row calls are bound by reading the
-weights, which a batch shares.
+about N times as much and batching gains little (see `python -m benchmarks.gpu_timing
+--shapes embedded` for the per-call cost by rows). AR's one-row calls are bound by reading
+the weights, which a batch shares.
 """
 
 from __future__ import annotations
@@ -31,15 +30,16 @@ from pathlib import Path
 
 import packed_ss_jax as ps
 from packed_ss_jax import families
-from packed_ss_jax.bench import harness, tasks
+from packed_ss_jax.bench import measure, tasks
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.batch_throughput",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--schedules", default=None, help="comma-separated (default: all)")
     p.add_argument("--sizes", default="1,2,4,8,16", help="batch sizes")
     p.add_argument("--prompts", type=int, default=64, help="prompts per measurement")
-    p.add_argument("--batching", choices=harness.BATCHING, default="continuous")
+    p.add_argument("--batching", choices=measure.BATCHING, default="continuous")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--capacity", type=int, default=128,
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
         base = None
         for n in sizes:
             t0 = time.perf_counter()
-            d = harness.run(model, prompts, [s], {s: args.block_size}, capacity=args.capacity,
+            d = measure.run(model, prompts, [s], {s: args.block_size}, capacity=args.capacity,
                             max_new_tokens=args.max_new_tokens, split=None, progress=False,
                             batch_size=n, batching=args.batching, repeats=args.repeats)[s]
             tokens, wall = sum(d["tokens"]), sum(d["wall_s"])

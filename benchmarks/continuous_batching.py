@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """Continuous versus static batching over a long queue, on the embedded model.
 
 The arithmetic task's first `--prompts` prompts, N slots: static batches of N
-consecutive prompts, each run until its last sequence stops (bench.harness.run with
+consecutive prompts, each run until its last sequence stops (bench.measure.run with
 `batch_size=N, batching="static"`), against one queue keeping N slots busy
 (`decode_continuous`): the loop hands control back as soon as a sequence stops, or after
 k iterations at most, and one call starts the next prompts in the stopped slots. Both
@@ -22,11 +21,12 @@ import sys
 from pathlib import Path
 
 import packed_ss_jax as ps
-from packed_ss_jax.bench import harness, tasks
+from packed_ss_jax.bench import measure, tasks
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.continuous_batching",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--schedule", default="ar")
     p.add_argument("--prompts", type=int, default=200)
     p.add_argument("--slots", type=int, default=8)
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
               seed=list(range(len(prompts))), **width)
 
     def static():
-        return harness.run(model, prompts, [s], {s: args.block_size}, capacity=args.capacity,
+        return measure.run(model, prompts, [s], {s: args.block_size}, capacity=args.capacity,
                            max_new_tokens=args.max_new_tokens, split=None, progress=False,
                            batch_size=N, batching="static")[s]
 

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Time per call of each schedule's row buffer on Nemotron 3B/8B shapes (random bf16 weights).
 
 For every model shape, cache length and row count (AR: 1; Linear-SS and Packed-SS: 2B;
@@ -6,15 +5,15 @@ Quadratic-SS: B(B+1)), the jitted forward is run REPEAT times inside one XLA loo
 the time per call is reported next to the weight-streaming bound (parameter bytes /
 memory bandwidth): at batch size 1 a call can't be faster than reading every weight once.
 
-    python benchmarks/gpu_timing.py                  # 3B and 8B, B=32 (Q-SS B=8), ~5 min on an H200
-    python benchmarks/gpu_timing.py --smoke          # tiny shapes: checks the script on a CPU
-    python benchmarks/gpu_timing.py --shapes embedded --cache-lengths 264 --block-size 8 \
+    python -m benchmarks.gpu_timing                  # 3B and 8B, B=32 (Q-SS B=8)
+    python -m benchmarks.gpu_timing --smoke          # tiny shapes: checks the script on a CPU
+    python -m benchmarks.gpu_timing --shapes embedded --cache-lengths 264 --block-size 8 \
         --quadratic-block-size 4                     # the embedded model's calls, on a CPU
-    python benchmarks/gpu_timing.py --shapes embedded --cache-lengths 128 --block-size 8 \
+    python -m benchmarks.gpu_timing --shapes embedded --cache-lengths 128 --block-size 8 \
         --quadratic-block-size 4 --batch 1,2,4,8,16  # ... and of batched decodes
-    python benchmarks/gpu_timing.py --shapes embedded --products --batch 1,8,16
+    python -m benchmarks.gpu_timing --shapes embedded --products --batch 1,8,16
                                                      # the weight products alone, by rows
-    python benchmarks/gpu_timing.py --shapes 8B --cache-lengths 1024 --block-size 8,16,32 \
+    python -m benchmarks.gpu_timing --shapes 8B --cache-lengths 1024 --block-size 8,16,32 \
         --quadratic-block-size 8,16,32               # every schedule at B = 8, 16 and 32
 
 `--products` times only the products of a call with the weights (every layer's q, k, v,
@@ -176,7 +175,8 @@ def square_rate(dtype, n: int = 1024, repeat: int = 10) -> float:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_timing",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="3B,8B")
     p.add_argument("--cache-lengths", default=None,
                    help="KV buffer sizes (every call attends over the whole buffer; default "

@@ -1,7 +1,6 @@
-#!/usr/bin/env python
 """Convert, load and decode at the Nemotron 3B and 8B shapes in bf16, with peak memory.
 
-On synthetic release-layout checkpoints (`benchmarks.synthetic_checkpoint`: random
+On synthetic release-layout checkpoints (`tools.synthetic_checkpoint`: random
 weights, real names, shapes, shards and adapter) this runs, each stage in a fresh child
 process so that no stage inherits another's peak resident set:
 
@@ -18,6 +17,7 @@ stage also records XLA's memory analysis of its compiled program.
 
     python -m benchmarks.real_size --dir /tmp/real-size --json real_size.json
     python -m benchmarks.real_size --shapes 3B --schedules-3b ar packed
+    python -m benchmarks.real_size --shapes tiny --schedules-3b ar packed   # seconds, for a check
 
 The 3B stages take about 8 GB of memory, the 8B ones about 17 GB: before each stage the
 benchmark waits (up to `--wait-memory` seconds) until the machine has that much
@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 GB = 1e9
+ROOT = Path(__file__).resolve().parents[1]  # the stages run as `python -m` from here
 SCHEDULES = {"3B": ("ar", "linear", "quadratic", "packed"), "8B": ("ar", "packed")}
 # Token ids of the prompt: none is the mask id (100) or an EOS (2, 11).
 PROMPT = (1, 523, 1871, 2048, 4099, 777, 9000, 12345)
@@ -77,7 +78,7 @@ def _stage(spec: dict) -> dict:
     kind = spec["kind"]
     t0 = time.perf_counter()
     if kind == "write":
-        from benchmarks import synthetic_checkpoint
+        from tools import synthetic_checkpoint
 
         synthetic_checkpoint.write(spec["shape"], spec["out"], progress=True)
         return {"seconds": time.perf_counter() - t0}
@@ -89,16 +90,16 @@ def _stage(spec: dict) -> dict:
            "load_peak": _peak()}
     if kind == "load":
         return out
-    from packed_ss_jax import engine, families
+    from packed_ss_jax import DecodeOptions, Engine
 
     resets = _reset_peak()
-    family = families.of(model.config)
-    options = dict(schedule=spec["schedule"], width=spec["block_size"],
-                   max_new_tokens=spec["max_new_tokens"], eos_id=None,
-                   cache_size=spec["cache_size"])
+    e = Engine.of(model)
+    options = DecodeOptions(schedule=spec["schedule"], block_size=spec["block_size"],
+                            max_new_tokens=spec["max_new_tokens"], eos_id=None,
+                            cache_size=spec["cache_size"])
     prompt = [t % model.config.vocab_size for t in spec["prompt"]]  # the tiny shape's too
-    request = engine.prepare(model, family, prompt, **options)
-    exe, compile_s = engine.compiled(model, family, request)
+    request = e.request(prompt, options)
+    exe, compile_s = e.compiled(request)
     out.update(compile_s=compile_s, compile_peak=_peak() if resets else None)
     mem = exe.memory_analysis()
     if mem is not None:
@@ -106,7 +107,7 @@ def _stage(spec: dict) -> dict:
             "argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
             "alias_size_in_bytes", "generated_code_size_in_bytes") if hasattr(mem, k)}
     resets = _reset_peak()
-    r = engine.run(model, family, request)
+    r = e.decode(request)
     out.update(run_s=r.wall_s, nfe=r.nfe, tokens=r.tokens, s_per_call=r.wall_s / r.nfe,
                run_peak=_peak() if resets else None)
     return out
@@ -145,7 +146,7 @@ def run_stage(spec: dict, label: str) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.real_size", "--stage", json.dumps(spec)]
     print(f"== {label}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         out = p.stdout.read()
     except BaseException:
@@ -201,8 +202,8 @@ def _weights(shape: str) -> float:
     """bf16 weight bytes of a shape (adapter included), from the abstract params."""
     import jax
 
-    from benchmarks.synthetic_checkpoint import model_config
     from packed_ss_jax import model as model_lib
+    from tools.synthetic_checkpoint import model_config
 
     c = model_config(shape, "bfloat16", lora=True)
     return float(sum(x.size * 2 for x in jax.tree.leaves(model_lib.abstract_params(c))))
@@ -256,7 +257,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--stage"]:
         return _child(argv[1:])
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.real_size",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", default=None, help="where the checkpoints go (and are reused "
                    "from: nld-3b/, nld-8b/); default: a temporary directory")
     p.add_argument("--shapes", nargs="+", default=["3B", "8B"], choices=["3B", "8B", "tiny"],

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """A roofline projection of decode steps at the Nemotron 3B and 8B shapes in bf16.
 
 For each schedule (AR, Linear-SS, Quadratic-SS, Packed-SS) one loop step is compiled on
@@ -17,7 +16,7 @@ ratio): the time per NFE comes from the projection, the tokens per NFE from the 
 (see TOKENS_PER_NFE).
 
     python -m benchmarks.roofline                 # 3B and 8B, B = 32 (Quadratic-SS B = 8)
-    python -m benchmarks.roofline --shapes tiny   # seconds, for a check
+    python -m benchmarks.roofline --shapes tiny --live 64   # seconds, for a check
 """
 
 from __future__ import annotations
@@ -32,12 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from packed_ss_jax import families, options
 from packed_ss_jax import model as model_lib
-from packed_ss_jax.loading import Model
-from packed_ss_jax.sampling import Sampler
+from packed_ss_jax.model import Model
 from packed_ss_jax.nemotron.program import SCHEDULES
-
-from .synthetic_checkpoint import model_config
+from tools.synthetic_checkpoint import SHAPES, model_config
 
 # Published peak HBM bandwidth (bytes/s) and dense bf16 tensor-core rate (FLOP/s):
 # NVIDIA A100 datasheet (80GB SXM: 2,039 GB/s; BF16 312 TFLOPS dense),
@@ -88,20 +86,24 @@ def full_attention():
 
 
 def step_cost(shape: str, schedule: str, live: int, prompt: int = 16) -> StepCost:
-    """XLA's cost analysis of one loop step with `live` cached slots (abstract params)."""
+    """XLA's cost analysis of one loop step with `live` cached slots (abstract params).
+
+    The step is the one a decode compiles: the request's program (`options.plan`), the
+    family's loop of it (`build`), its state made by the loop's first call on a
+    `prompt`-token prompt, with a cache of `live` slots in all (capacity plus one block of
+    headroom)."""
     c = model_config(shape, "bfloat16")
     params = jax.eval_shape(model_lib.unstack_layers, model_lib.abstract_params(c))
     m = Model(config=c, params=params, source="abstract")
-    init, step = SCHEDULES[schedule]
-    B, sampler = BLOCK[schedule], Sampler()
-    capacity = live - B  # the cache holds capacity + B slots
-    state = jax.eval_shape(
-        lambda p, prompt, n: init(m, p, prompt, n, B=B, capacity=capacity, max_new=1,
-                                  eos_id=-1, sampler=sampler, key=None),
-        params, jax.ShapeDtypeStruct((prompt,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+    family = families.of(c)
+    program, limits, _ = options.plan(family, c, options.DecodeOptions(
+        schedule=schedule, block_size=BLOCK[schedule], max_new_tokens=1, eos_id=None,
+        cache_size=live - family.width(schedule, BLOCK[schedule])))
+    loop = family.build(m, program)
+    state = jax.eval_shape(loop.init, params, jax.ShapeDtypeStruct((prompt,), jnp.int32),
+                           jax.ShapeDtypeStruct((), jnp.int32), limits, jax.random.PRNGKey(0))
     with full_attention():
-        one_step = jax.jit(lambda p, s: step(m, p, s, B=B, sampler=sampler))
-        exe = one_step.lower(params, state).compile()
+        exe = jax.jit(loop.step).lower(params, state).compile()
     cost = exe.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     weights = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
@@ -111,13 +113,23 @@ def step_cost(shape: str, schedule: str, live: int, prompt: int = 16) -> StepCos
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", default="3B,8B")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.roofline",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="3B,8B",
+                   help=f"comma-separated, of {sorted(SHAPES)} (tiny: a check, in seconds)")
     p.add_argument("--live", type=int, default=1024,
-                   help="cached slots each call attends over (prompt + tokens so far)")
+                   help="cached slots each call attends over (prompt + tokens so far); more "
+                        f"than the largest block size, {max(BLOCK.values())}")
+    p.add_argument("--schedules", default=",".join(SCHEDULES),
+                   help="comma-separated (the throughput ratios need linear and packed)")
     args = p.parse_args(argv)
+    shapes = _names(p, "--shapes", args.shapes, SHAPES)
+    schedules = _names(p, "--schedules", args.schedules, SCHEDULES)
+    if args.live <= max(BLOCK.values()):
+        p.error(f"--live {args.live}: the cache must hold more than a block "
+                f"({max(BLOCK.values())} slots)")
     t0 = time.monotonic()
-    costs = {(s, k): step_cost(s, k, args.live) for s in args.shapes.split(",") for k in SCHEDULES}
+    costs = {(s, k): step_cost(s, k, args.live) for s in shapes for k in schedules}
     print(f"**Projection** (roofline bound, bf16, {args.live} cached slots; not a "
           "measurement). Per call: GFLOP and GB from XLA's cost analysis of one loop step; "
           "ms per call from XLA's bytes / from the minimal traffic (weights and live cache "
@@ -131,6 +143,22 @@ def main(argv=None) -> int:
         print(f"| {shape} | {sched} ({ROWS[sched]}) | {cost.flops / cost.calls / 1e9:.0f} | "
               f"{cost.bytes / cost.calls / 1e9:.2f} | "
               f"{(cost.weight_bytes + cost.cache_bytes) / 1e9:.2f} | " + " | ".join(per_dev) + " |")
+    if {"linear", "packed"} <= set(schedules):
+        ratios(costs, shapes)
+    print(f"\n({time.monotonic() - t0:.0f} s)", file=sys.stderr)
+    return 0
+
+
+def _names(p, flag: str, spec: str, allowed) -> list[str]:
+    """'a,b' -> ['a', 'b'], each one of `allowed`; a usage error otherwise."""
+    names = list(dict.fromkeys(x.strip() for x in spec.split(",") if x.strip()))
+    if not names or any(x not in allowed for x in names):
+        p.error(f"{flag}: expected one or more of {sorted(allowed)}, got {spec!r}")
+    return names
+
+
+def ratios(costs: dict, shapes: list[str]) -> None:
+    """The Packed-SS / Linear-SS throughput table from the projected time per NFE."""
     print("\nPacked-SS / Linear-SS throughput = (tokens/NFE ratio) x (Linear-SS / Packed-SS "
           "time per NFE), projected with XLA's bytes / with the minimal traffic; tokens/NFE "
           "ratios from the paper (see TOKENS_PER_NFE):\n")
@@ -138,15 +166,14 @@ def main(argv=None) -> int:
           + " | ".join(f"throughput ratio at x{r:.3f} tokens/NFE" for r in TOKENS_PER_NFE.values())
           + " |")
     print("|---|---|---|" + "---|" * len(TOKENS_PER_NFE))
-    for shape in args.shapes.split(","):
+    for shape in shapes:
         for dev, (bw, peak) in DEVICES.items():
             linear, packed = costs[shape, "linear"], costs[shape, "packed"]
-            speed = [linear.seconds(bw, peak, m) / packed.seconds(bw, peak, m) for m in (False, True)]
+            speed = [linear.seconds(bw, peak, m) / packed.seconds(bw, peak, m)
+                     for m in (False, True)]
             print(f"| {shape} | {dev} | {speed[0]:.3f} / {speed[1]:.3f} | "
                   + " | ".join(f"{r * speed[0]:.3f} / {r * speed[1]:.3f}"
                                for r in TOKENS_PER_NFE.values()) + " |")
-    print(f"\n({time.monotonic() - t0:.0f} s)", file=sys.stderr)
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,32 +1,33 @@
-#!/usr/bin/env python
 """What streaming costs: wall time of a decode run in chunks of k loop iterations
-(engine.Chunked: `Loop.start`, then `Loop.resume` per launch, the state donated, the
-final tokens read back after each launch) against the same decode in one launch
-(engine.run), on the same compiled loop body. Interleaved repetitions, medians.
+(`Engine.stream`: the first call, then `Engine.generate` per launch, the state donated,
+the final tokens read back after each launch) against the same decode in one launch
+(`Engine.decode`). Interleaved repetitions, medians.
 
     python -m benchmarks.stream_overhead                         # embedded nld-tiny, packed
     python -m benchmarks.stream_overhead --schedule ar --chunks 4,16 --tokens 512
+    python -m benchmarks.stream_overhead --tokens 16 --chunks 4 --repeat 1   # for a check
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import jax
-import numpy as np
 
 import packed_ss_jax as ps
-from packed_ss_jax import engine, families
+from packed_ss_jax import DecodeOptions, Engine, engine
 from packed_ss_jax.detokenize import Detokenizer
 
 PROMPT = ("Question: Ava has 12 apples. Ava gets 7 more apples. How many apples does Ava have "
           "now?\nAnswer:")
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.stream_overhead",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="checkpoint (default: the embedded nld-tiny)")
     p.add_argument("--schedule", default="packed")
     p.add_argument("--tokens", type=int, default=256, help="max_new_tokens (EOS ignored)")
@@ -35,24 +36,24 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
 
     model = ps.load(args.model)
-    family = families.of(model.config)
-    request = engine.prepare(model, family, PROMPT, schedule=args.schedule,
-                             max_new_tokens=args.tokens, eos_id=None)
+    e = Engine.of(model)
+    request = e.request(PROMPT, DecodeOptions(schedule=args.schedule, max_new_tokens=args.tokens,
+                                              eos_id=None))
     chunks = [int(k) for k in args.chunks.split(",")]
-    one = engine.run(model, family, request)  # compiles
+    one = e.decode(request)  # compiles
     for k in chunks:
-        assert [t for c in engine.Chunked(model, family, request, k) for t in c] == one.tokens
+        assert [t for c in e.stream(request, k) for t in c] == one.tokens
 
     def chunked(k, text: bool):
         t0 = time.perf_counter()
         d = Detokenizer(model.tokenizer.decode) if text else None
-        for new in engine.Chunked(model, family, request, k):
+        for new in e.stream(request, k):
             if d is not None:
                 d.add(new)
         return time.perf_counter() - t0
 
     def oneshot():
-        return engine.run(model, family, request).wall_s
+        return e.decode(request).wall_s
 
     times = {"one-shot": []} | {f"k={k}": [] for k in chunks} | \
             {f"k={k} + text": [] for k in chunks}
@@ -61,14 +62,14 @@ def main(argv=None) -> None:
         for k in chunks:
             times[f"k={k}"].append(chunked(k, False))
             times[f"k={k} + text"].append(chunked(k, True))
-    # The fixed cost of one launch: a resume that runs no iteration (k = 0: dispatch, the
-    # donated state, the progress read back). Best of many, so machine load hides less.
-    c = engine.Chunked(model, family, request, 1)
+    # The fixed cost of one launch: a generate that runs no iteration (k = 0: dispatch,
+    # the donated state, the progress read back). Best of many, so load hides less.
+    c = e.stream(request, 1)
     c.launch()
     empty = []
     for _ in range(200):
         t0 = time.perf_counter()
-        c.state, progress = c._resume(model.params, c.state, np.int32(0))
+        c.state, progress = e._generate(c.state, 0, request.program)
         jax.device_get(progress)
         empty.append(time.perf_counter() - t0)
     launch = min(empty)
@@ -90,7 +91,8 @@ def main(argv=None) -> None:
         launches = 1 + -(-(one.iterations - 1) // k)
         print(f"k={k}: {launches - 1} extra launches x best launch cost = "
               f"{100 * (launches - 1) * launch / best:.2f} % of the best one-shot wall")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

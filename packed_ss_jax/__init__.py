@@ -12,14 +12,16 @@ from .checkpoints.errors import CheckpointError
 from .compile_cache import set_compile_cache
 from .config import ConfigError, ModelConfig
 from .conversion import convert
-from .engine import NonFiniteError
+from .engine import Engine
 from .families import FAMILIES
 from .loading import load
 from .model import Model
+from .options import DecodeOptions
 from .requests import InputError
+from .results import NonFiniteError
 from .sharding import make_mesh
 
-__all__ = ["CheckpointError", "ConfigError", "DecodeResult", "FAMILIES", "InputError", "Model",
+__all__ = ["CheckpointError", "ConfigError", "DecodeOptions", "DecodeResult", "Engine", "FAMILIES", "InputError", "Model",
            "ModelConfig", "NonFiniteError", "StreamChunk", "convert", "decode",
            "decode_continuous", "decoder", "load", "logits", "make_mesh", "set_compile_cache",
            "stream"]

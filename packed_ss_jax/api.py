@@ -1,7 +1,8 @@
 """Public functions: `decode` (every schedule of every family), `stream` (the same decode,
-its tokens and text handed out as they are produced), `decoder` (the same decode as a
-pure, jittable function) and `logits` (parity hook). Thin wrappers over the family table
-(families.py), the chat templates (chat.py) and the driver (engine.py)."""
+its tokens and text handed out as they are produced), `decode_continuous` (a queue of
+prompts on a few slots), `decoder` (the same decode as a pure, jittable function) and
+`logits` (parity hook). Each builds the request's `DecodeOptions` and hands it to the
+model's `Engine` (engine.py); chats go through the model's chat template (chat.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import chat, continuous, engine, families, requests, sharding, stops
+from . import chat, continuous, families, options as options_lib, requests, stops
 from .config import ModelConfig
 from .detokenize import Detokenizer
-from .engine import DecodeResult
+from .engine import DEFAULT_CHUNK, Engine, Streaming
+from .options import DecodeOptions, Request
+from .results import DecodeResult
 from .model import Model
 from .requests import InputError, InputTypeError
 
@@ -47,15 +50,6 @@ def as_model(model, config: ModelConfig | None = None):
         return Model(config=config, params=model)
     requests.check_model(model)
     return model
-
-
-def _width(family, block_size, window):
-    """The request's width under the family's own argument name (block_size or window)."""
-    given = {"block_size": block_size, "window": window}
-    other = [name for name, v in given.items() if v is not None and name != family.width_name]
-    if other:
-        raise InputError(f"{family.title} models take {family.width_name}=, not {other[0]}=")
-    return given[family.width_name]
 
 
 def is_batch(prompt) -> bool:
@@ -93,23 +87,27 @@ def _prompt(model, prompt, messages, chat_template_kwargs):
     return prompt
 
 
-def _request(model, config, prompt, messages, chat_template_kwargs, block_size, window, seed,
-             **options):
-    model = as_model(model, config)
-    family = families.of(model.config)
-    prompt = _prompt(model, prompt, messages, chat_template_kwargs)
-    request = engine.prepare(model, family, prompt, seed=seed,
-                             width=_width(family, block_size, window), **options)
-    return model, family, request
+def _request(model, config, prompt, messages, chat_template_kwargs, seed,
+             options: DecodeOptions) -> tuple[Engine, Request]:
+    engine = Engine.of(as_model(model, config))
+    prompt = _prompt(engine.model, prompt, messages, chat_template_kwargs)
+    return engine, engine.request(prompt, options, seed)
 
 
 def check(model, prompt=None, *, messages=None, chat_template_kwargs=None, seed: int = 0,
-          block_size: int | None = None, window: int | None = None, **options):
-    """The checked request `decode` and `stream` would run (an `engine.Request`), without
-    compiling or running anything: for a caller that checks on one thread and decodes on
-    another (the server)."""
-    return _request(model, None, prompt, messages, chat_template_kwargs, block_size, window,
-                    seed, **options)[2]
+          **options) -> Request:
+    """The checked request `decode` and `stream` would run, without compiling or running
+    anything (`options`: `decode`'s keyword arguments): for a caller that checks on one
+    thread and decodes on another (the server)."""
+    return _request(model, None, prompt, messages, chat_template_kwargs, seed,
+                    _options(options))[1]
+
+
+def _options(given: dict) -> DecodeOptions:
+    try:
+        return DecodeOptions(**given)
+    except TypeError as e:  # an unknown keyword: say which
+        raise InputTypeError(str(e).replace("DecodeOptions.__init__()", "decode()")) from None
 
 
 def decode(model, prompt: str | Sequence[int] | None = None, *,
@@ -150,15 +148,14 @@ def decode(model, prompt: str | Sequence[int] | None = None, *,
     cache_size: KV slots for prompt + output (default: sized to the request); it is
                 part of the compiled shape, so keep it fixed across calls.
     """
-    options = dict(schedule=schedule, order=order, temperature=temperature, top_k=top_k,
-                   top_p=top_p, cache_size=cache_size, max_new_tokens=max_new_tokens,
-                   eos_id=eos_id, stop_sequences=stop_sequences)
+    options = DecodeOptions(schedule, block_size, window, order, temperature, top_k, top_p,
+                            max_new_tokens, eos_id, stop_sequences, cache_size)
     if messages is None and is_batch(prompt):
-        return engine.run_batch(*_batch(model, config, prompt, seed, block_size, window,
-                                        **options))
-    model, family, request = _request(model, config, prompt, messages, chat_template_kwargs,
-                                      block_size, window, seed, **options)
-    return engine.run(model, family, request)
+        engine = Engine.of(as_model(model, config))
+        return engine.decode_batch(engine.batch(prompt, options, seed))
+    engine, request = _request(model, config, prompt, messages, chat_template_kwargs, seed,
+                               options)
+    return engine.decode(request)
 
 
 def decode_continuous(model, prompts: Sequence, *, slots: int = 8, every: int = 64,
@@ -183,24 +180,15 @@ def decode_continuous(model, prompts: Sequence, *, slots: int = 8, every: int = 
     slots = requests.integer(slots, "slots", 1, requests.INT32_MAX, "slot indices are int32")
     every = requests.integer(every, "every", 1, requests.INT32_MAX,
                              "the loop counts iterations in int32")
-    model, family, batch = _batch(
-        model, config, prompts, seed, block_size, window, sequences=slots, schedule=schedule,
-        order=order, temperature=temperature, top_k=top_k, top_p=top_p, cache_size=cache_size,
-        max_new_tokens=max_new_tokens, eos_id=eos_id, stop_sequences=stop_sequences)
+    options = DecodeOptions(schedule, block_size, window, order, temperature, top_k, top_p,
+                            max_new_tokens, eos_id, stop_sequences, cache_size)
+    engine = Engine.of(as_model(model, config))
+    batch = engine.batch(prompts, options, seed, sequences=slots)
     # A slot past the prompts would never hold one (and would cost its cache); no
     # request runs more than max_new_tokens + 1 iterations, so a larger `every` is that.
-    slots = min(slots, len(batch.requests))
-    every = min(every, batch.requests[0].max_new + 1)
-    return continuous.decode_queue(model, family, batch, slots, every)
-
-
-def _batch(model, config, prompts, seed, block_size, window, **options):
-    """(model, family, the checked batch) of a list of prompts (`engine.prepare_batch`)."""
-    model = as_model(model, config)
-    family = families.of(model.config)
-    batch = engine.prepare_batch(model, family, prompts, seed=seed,
-                                 width=_width(family, block_size, window), **options)
-    return model, family, batch
+    slots = min(slots, len(batch.members))
+    every = min(every, batch.members[0].max_new + 1)
+    return continuous.decode_queue(engine, batch, slots, every)
 
 
 def stream(model, prompt: str | Sequence[int] | None = None, *,
@@ -210,7 +198,7 @@ def stream(model, prompt: str | Sequence[int] | None = None, *,
            max_new_tokens: int = 128, eos_id: int | None = -1, temperature: float = 0.0,
            top_k: int | None = None, top_p: float | None = None, seed: int = 0,
            cache_size: int | None = None, order: str = "ltr", stop_sequences: Sequence = (),
-           chunk: int = engine.DEFAULT_CHUNK) -> Iterator[StreamChunk]:
+           chunk: int = DEFAULT_CHUNK) -> Iterator[StreamChunk]:
     """`decode`, handing out its output while it decodes: a `StreamChunk` after every
     launch of `chunk` decoder iterations (the same compiled loop, its state kept between
     launches), then a last one with the `DecodeResult`.
@@ -221,26 +209,20 @@ def stream(model, prompt: str | Sequence[int] | None = None, *,
     complete. The arguments are `decode`'s, checked before the first chunk. Stopping the
     iteration early stops the decoding.
     """
-    model, family, request = _request(
-        model, config, prompt, messages, chat_template_kwargs, block_size, window, seed,
-        schedule=schedule, order=order, temperature=temperature, top_k=top_k, top_p=top_p,
-        cache_size=cache_size, max_new_tokens=max_new_tokens, eos_id=eos_id,
-        stop_sequences=stop_sequences)
-    return stream_request(model, request, chunk)
+    options = DecodeOptions(schedule, block_size, window, order, temperature, top_k, top_p,
+                            max_new_tokens, eos_id, stop_sequences, cache_size)
+    engine, request = _request(model, config, prompt, messages, chat_template_kwargs, seed,
+                               options)
+    return stream_request(engine.model, request, chunk)
 
 
-def stream_request(model, request: engine.Request, chunk: int = engine.DEFAULT_CHUNK):
+def stream_request(model, request: Request, chunk: int = DEFAULT_CHUNK):
     """`stream` of a request already checked (`check`): the chunks, nothing checked again."""
-    if sharding.mesh_of(model.params) is not None:
-        # The chunk programs are compiled for one device; `decode` runs on meshes.
-        raise InputError("stream() runs on one device; this model is placed on a mesh "
-                         "(load(..., mesh=)): use decode()")
-    family = families.of(model.config)
-    decoding = engine.Chunked(model, family, request, chunk)
-    return _chunks(model, decoding, request.stop_texts)
+    engine = Engine.of(model)
+    return _chunks(engine.model, engine.stream(request, chunk), request.stop_texts)
 
 
-def _chunks(model, decoding: engine.Chunked, stop_texts) -> Iterator[StreamChunk]:
+def _chunks(model, decoding: Streaming, stop_texts) -> Iterator[StreamChunk]:
     tokenizer = getattr(model, "tokenizer", None)
     text = Detokenizer(tokenizer.decode) if tokenizer is not None else None
     sent_ids, sent_text = 0, ""
@@ -295,11 +277,11 @@ def decoder(model_or_config, *, schedule: str = "packed", block_size: int | None
     else:
         model = as_model(model_or_config)
     family = families.of(model.config)
-    program, limits, max_new = engine.program_for(
-        family, model.config, schedule=schedule, width=_width(family, block_size, window),
-        order=order, temperature=temperature, top_k=top_k, top_p=top_p, cache_size=cache_size,
-        max_new_tokens=max_new_tokens, eos_id=eos_id, stop_sequences=stop_sequences,
-        tokenizer=getattr(model, "tokenizer", None))
+    options = options_lib.read_once(DecodeOptions(
+        schedule, block_size, window, order, temperature, top_k, top_p, max_new_tokens, eos_id,
+        stop_sequences, cache_size))
+    program, limits, max_new = options_lib.plan(family, model.config, options,
+                                                tokenizer=getattr(model, "tokenizer", None))
 
     def fn(params, prompt_ids, prompt_len, key):
         prompt_ids, prompt_len = jnp.asarray(prompt_ids), jnp.asarray(prompt_len)
@@ -308,17 +290,17 @@ def decoder(model_or_config, *, schedule: str = "packed", block_size: int | None
         P = prompt_ids.shape[0]
         p = program
         if cache_size is None:  # sized from the prompt's static length, as decode does
-            need = engine.capacity_for(max(P + max_new, p.width))
+            need = options_lib.capacity_for(max(P + max_new, p.width))
             p = dataclasses.replace(p, capacity=min(need, model.config.max_position_embeddings))
         if P + max_new > p.capacity:
             raise InputError(f"prompt_ids of length {P} + max_new_tokens ({max_new}) exceed "
                              f"the cache ({p.capacity} slots)")
         if key is None:
-            if not program.sampler.greedy:
+            if not program.sampling.greedy:
                 raise InputError("a sampling decoder needs a PRNG key")
             key = jax.random.PRNGKey(0)
         run = family.build(model, p)
-        out = run(params, prompt_ids.astype(jnp.int32), prompt_len.astype(jnp.int32),
+        out = run.run(params, prompt_ids.astype(jnp.int32), prompt_len.astype(jnp.int32),
                   jax.tree.map(jnp.asarray, limits), key)
         tokens, n_tokens = out.pop("tokens")[:max_new], out.pop("n_tokens")
         return tokens, n_tokens, out
@@ -342,17 +324,7 @@ def logits(model, tokens, positions, mask, draft_rows=None, *,
                          f"{positions.shape}, {mask.shape}")
     requests.check_ids(tokens, model.vocab_size, "tokens")
     rows = np.zeros(T, bool) if draft_rows is None else np.asarray(draft_rows, bool)
-    out, _ = _forward_nocache(model)(model.params, jnp.asarray(tokens, jnp.int32),
-                                     jnp.asarray(positions, jnp.int32), jnp.asarray(mask),
-                                     jnp.asarray(rows))
+    out, _ = Engine.of(model).forward(jnp.asarray(tokens, jnp.int32),
+                                      jnp.asarray(positions, jnp.int32), jnp.asarray(mask),
+                                      jnp.asarray(rows))
     return np.asarray(out, np.float32)
-
-
-_nocache: dict = {}
-
-
-def _forward_nocache(model):
-    if model.key not in _nocache:
-        _nocache[model.key] = jax.jit(
-            lambda p, t, pos, m, r: model.forward(p, t, pos, m, model.empty_cache(0), 0, r))
-    return _nocache[model.key]

@@ -41,7 +41,7 @@ def _expected() -> tuple[type[BaseException], ...]:
     from .checkpoints.errors import CheckpointError
     from .config import ConfigError
     from .checkpoints.store import DestinationError
-    from .engine import NonFiniteError
+    from .results import NonFiniteError
     from .requests import InputError
 
     # NonFiniteError: a checkpoint whose numbers overflow to NaN/Inf is a bad input, not a

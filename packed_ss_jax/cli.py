@@ -11,7 +11,6 @@ import argparse
 import os
 import re
 import sys
-from pathlib import Path
 
 from . import families
 from .arguments import (Parser, UsageError, int_at_least, load_model, model_args, probability,
@@ -21,7 +20,7 @@ from .arguments import (Parser, UsageError, int_at_least, load_model, model_args
 
 # --- commands -------------------------------------------------------------------------------------
 
-def _convert(argv: list[str] | None, prog: str) -> int:
+def _convert(argv: list[str] | None, prog: str, family: str | None = None) -> int:
     p = Parser(
         prog=prog,
         description="Convert a Hugging Face checkpoint directory (Nemotron-Labs-Diffusion: "
@@ -43,6 +42,8 @@ def _convert(argv: list[str] | None, prog: str) -> int:
                    help="replace an earlier conversion output or an empty directory (nothing else)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     args = p.parse_args(argv)
+    if family is not None:
+        _require_family(args.src, families.FAMILIES[family], prog)
 
     from .conversion import convert
 
@@ -51,8 +52,22 @@ def _convert(argv: list[str] | None, prog: str) -> int:
     return 0
 
 
-def convert_main(argv: list[str] | None = None, prog: str = "packed-ss-convert") -> int:
-    return run_command(prog, _convert, argv)
+def convert_main(argv: list[str] | None = None, prog: str = "packed-ss-convert",
+                 family: str | None = None) -> int:
+    """`packed-ss convert`; with `family`, the source must be a checkpoint of that family
+    (the per-family scripts in convert/)."""
+    return run_command(prog, lambda a, p: _convert(a, p, family), argv)
+
+
+def _require_family(src: str, family, prog: str) -> None:
+    """Refuses a source whose config.json names another model type than `family`'s."""
+    from .config import read_hf_config
+
+    model_type = read_hf_config(src).get("model_type")
+    if model_type != family.model_type:
+        raise UsageError(f"{src} is not a {family.title} checkpoint (its config.json says "
+                         f"model_type {model_type!r}, not {family.model_type!r}): {prog} "
+                         "converts that family only; `packed-ss convert` converts every family")
 
 
 def _table(results) -> str:
@@ -60,8 +75,7 @@ def _table(results) -> str:
     rows = [head, "|" + "---|" * 6]
     for r in results:
         f = families.FAMILIES[r.family]
-        width = r.block_size if f.width_counts_x else r.window
-        name = r.schedule if r.schedule == f.reference else f"{r.schedule} ({f.width_symbol}={width})"
+        name = r.schedule if r.schedule == f.reference else f"{r.schedule} ({f.width_symbol}={r.width})"
         if r.order != f.orders[0]:
             name += f", {r.order}"
         rows.append(f"| {name} | {len(r.tokens)} | {r.nfe} | {r.tokens_per_nfe:.2f} | "
@@ -78,7 +92,9 @@ def stop_marker(value: str):
     return text(value)
 
 
-def _generate(argv: list[str] | None, prog: str) -> int:
+def _generate_parser(prog: str) -> Parser:
+    """The `generate` command line: the prompt (text or ids), the model, the schedule and
+    its width, stop markers, the chat template's inputs and the sampling options."""
     p = Parser(
         prog=prog,
         description="Decoding with Packed-SS (default), one other schedule or all of a "
@@ -111,7 +127,12 @@ def _generate(argv: list[str] | None, prog: str) -> int:
     p.add_argument("--top-k", type=int_at_least(1), default=None)
     p.add_argument("--top-p", type=probability, default=None)
     p.add_argument("--seed", type=seed, default=0)
-    args = p.parse_args(argv)
+    return p
+
+
+def _check_prompt(p: Parser, args) -> None:
+    """Refuses, before any model is loaded, a prompt that is missing, given twice or
+    empty, and chat options that do not fit together."""
     if args.prompt is None and args.ids is None:
         p.error("give a prompt (text) or --ids")
     if args.prompt is not None and args.ids is not None:
@@ -123,13 +144,19 @@ def _generate(argv: list[str] | None, prog: str) -> int:
     if (args.system is not None or args.no_thinking) and not args.chat:
         p.error("--system and --no-thinking go with --chat")
 
-    from . import api
 
-    model = load_model(args)
-    family = families.of(model.config)
-    if args.schedule != "all" and args.schedule not in family.schedules:
-        raise UsageError(f"--schedule {args.schedule}: {family.title} models decode with "
-                         f"{', '.join(family.schedules)} (or all)")
+def _check_schedule(schedule: str, family, also: str = "") -> None:
+    """Refuses a schedule the model's family does not decode with; `also` names what
+    the command accepts besides the family's schedules (e.g. " (or all)")."""
+    if schedule not in family.schedules:
+        raise UsageError(f"--schedule {schedule}: {family.title} models decode with "
+                         f"{', '.join(family.schedules)}{also}")
+
+
+def _decode_options(args, family) -> dict:
+    """The keyword arguments of `api.decode`/`api.stream` (all but the schedule) for
+    the parsed command line: limits, sampling, width, order, stops, and the prompt or
+    the chat messages."""
     width = width_of(args, family)
     options = dict(max_new_tokens=args.max_new_tokens, eos_id=None if args.no_eos else -1,
                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -146,29 +173,55 @@ def _generate(argv: list[str] | None, prog: str) -> int:
             options["chat_template_kwargs"] = {"enable_thinking": False}
     else:
         options["prompt"] = args.ids if args.ids is not None else args.prompt
-    schedules = list(family.schedules) if args.schedule == "all" else [args.schedule]
-    # The first schedule prints as it decodes (on one device; on a mesh once it is done);
-    # the others (--schedule all) only add rows.
+    return options
+
+
+def _stream_to_stdout(model, schedule: str, options: dict):
+    """Decodes with `schedule`, printing the text (or, without a tokenizer, the token
+    ids) as it arrives, then a newline; returns the decode's result."""
+    from . import api
+
     first = None
-    if args.mesh is None:
-        pieces = api.stream(model, schedule=schedules[0], **options)
-    else:
-        r = api.decode(model, schedule=schedules[0], **options)
-        pieces = [api.StreamChunk(r.tokens, r.text, r)]
-    for piece in pieces:
+    for piece in api.stream(model, schedule=schedule, **options):
         if piece.text is not None:
             print(piece.text, end="", flush=True)
         elif piece.tokens:
             print(" ".join(map(str, piece.tokens)), end=" ", flush=True)
         first = piece.result or first
     print()
-    results = [first] + [api.decode(model, schedule=s, **options) for s in schedules[1:]]
+    return first
+
+
+def _report(results, family, greedy: bool) -> None:
+    """Prints the table of the schedules' results and the compile time left out of it;
+    when greedy, warns on stderr if the exact schedules' tokens differ."""
     exact = [r for r in results if r.schedule not in family.inexact]
-    if args.temperature == 0 and any(r.tokens != exact[0].tokens for r in exact[1:]):
+    if greedy and any(r.tokens != exact[0].tokens for r in exact[1:]):
         print("warning: schedules disagree (numerical near-tie?)", file=sys.stderr)
     print()
     print(_table(results))
     print(f"\n(compile time excluded from wall: {sum(r.compile_s for r in results):.1f}s)")
+
+
+def _generate(argv: list[str] | None, prog: str) -> int:
+    """`packed-ss generate`: decodes one prompt with one schedule or all of the family's,
+    streaming the first, then prints a table comparing them."""
+    p = _generate_parser(prog)
+    args = p.parse_args(argv)
+    _check_prompt(p, args)
+
+    from . import api
+
+    model = load_model(args)
+    family = families.of(model.config)
+    if args.schedule != "all":
+        _check_schedule(args.schedule, family, " (or all)")
+    options = _decode_options(args, family)
+    schedules = list(family.schedules) if args.schedule == "all" else [args.schedule]
+    # The first schedule prints as it decodes; the others (--schedule all) only add rows.
+    first = _stream_to_stdout(model, schedules[0], options)
+    results = [first] + [api.decode(model, schedule=s, **options) for s in schedules[1:]]
+    _report(results, family, greedy=args.temperature == 0)
     return 0
 
 
@@ -176,7 +229,9 @@ def generate_main(argv: list[str] | None = None, prog: str = "packed-ss generate
     return run_command(prog, _generate, argv)
 
 
-def _serve(argv: list[str] | None, prog: str) -> int:
+def _serve_parser(prog: str) -> Parser:
+    """The `serve` command line: the model, where to listen, the served name, the
+    schedule and its width, the API key and the HTTP limits (defaults from `Limits`)."""
     from .http_guard import Limits
 
     d = Limits()
@@ -214,47 +269,93 @@ def _serve(argv: list[str] | None, prog: str) -> int:
                         f"(default {d.drain_timeout_s:g})")
     p.add_argument("--docs", action="store_true",
                    help="serve the interactive API docs at /docs and /openapi.json")
-    args = p.parse_args(argv)
+    return p
+
+
+def _check_serve_args(p: Parser, args) -> None:
+    """Refuses, before any model is loaded, a port past 65535 and an empty API key."""
     if args.port > 65535:
         p.error(f"--port must be at most 65535, got {args.port}")
     if args.api_key is not None and not args.api_key.strip():
         p.error("--api-key is empty")
 
-    from .server import bind, create_app, is_loopback, model_name, serve
 
-    limits = Limits(max_body_bytes=args.max_body_bytes, max_connections=args.max_connections,
-                    header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-                    prepare_timeout_s=args.prepare_timeout,
-                    drain_timeout_s=args.drain_timeout, api_key=args.api_key, docs=args.docs)
+def _limits(args):
+    """The server's `Limits` from the parsed command line."""
+    from .http_guard import Limits
+
+    return Limits(max_body_bytes=args.max_body_bytes, max_connections=args.max_connections,
+                  header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                  prepare_timeout_s=args.prepare_timeout,
+                  drain_timeout_s=args.drain_timeout, api_key=args.api_key, docs=args.docs)
+
+
+def _serving_app(args, limits):
+    """Loads the model and builds the HTTP app that serves it; returns (app, the model
+    id clients ask for). Refuses a schedule the model's family does not decode with."""
+    from .server import create_app, model_name
+
     model = load_model(args)
     family = families.of(model.config)
-    if args.schedule not in family.schedules:
-        raise UsageError(f"--schedule {args.schedule}: {family.title} models decode with "
-                         f"{', '.join(family.schedules)}")
+    _check_schedule(args.schedule, family)
     width = width_of(args, family)
     name = args.served_model_name or model_name(args.model)
     app = create_app(model, name, schedule=args.schedule, limits=limits,
                      width=None if width is None else {family.width_name: width})
+    return app, name
+
+
+def _listen(host: str, port: int):
+    """The listening socket on host:port; a failure to bind is a usage error."""
+    from .server import bind
+
     try:
-        sock = bind(args.host, args.port)
+        return bind(host, port)
     except OSError as e:
-        raise UsageError(f"cannot listen on {args.host}:{args.port}: "
+        raise UsageError(f"cannot listen on {host}:{port}: "
                          f"{e.strerror or e}") from None
-    port = sock.getsockname()[1]
+
+
+def _announce(args, name: str, port: int) -> None:
+    """Tells stderr where the server listens, warning first when it is reachable from
+    other machines without an API key."""
+    from .server import is_loopback
+
     if args.api_key is None and not is_loopback(args.host):
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach "
               f"port {port} can use this server", file=sys.stderr, flush=True)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"serving {name} on http://{host}:{port}/v1 (Ctrl-C to stop)",
           file=sys.stderr, flush=True)
+
+
+def _exit_now() -> None:
+    """Ends the process at once: a compile or a tokenizer run still going cannot be
+    interrupted, and waiting for it would keep a stopped server alive."""
+    from .template_render import shutdown
+
+    shutdown()  # the template worker (os._exit skips the exit hooks that stop it)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _serve(argv: list[str] | None, prog: str) -> int:
+    """`packed-ss serve`: serves the model over HTTP until Ctrl-C or SIGTERM, which
+    drain the requests in flight."""
+    p = _serve_parser(prog)
+    args = p.parse_args(argv)
+    _check_serve_args(p, args)
+
+    from .server import serve
+
+    limits = _limits(args)
+    app, name = _serving_app(args, limits)
+    sock = _listen(args.host, args.port)
+    _announce(args, name, sock.getsockname()[1])
     ended = serve(app, sock, limits)
     print(f"{prog}: stopped", file=sys.stderr, flush=True)
     if not ended:  # a compile or a tokenizer run cannot be interrupted: leave without it
-        from .template_render import shutdown
-
-        shutdown()  # the template worker (os._exit skips the exit hooks that stop it)
-        sys.stdout.flush()
-        os._exit(0)
+        _exit_now()
     return 0
 
 

@@ -1,9 +1,11 @@
 """Model configuration: one frozen, hashable dataclass per checkpoint.
 
-The config is a static argument of every jitted function, so it must be
-hashable; it is written down once here, with the readers of each family's Hugging
-Face `config.json` (`nemotron_from_hf`, `setdlm_from_hf`; `families.parse_hf_config`
-picks one by `model_type`).
+The config is a static argument of every jitted function, so it must be hashable; it
+is written down once here, with what every family's config reader shares: the field
+readers that name the field and the file in their errors (`int_field`, `section`, ...),
+`read_hf_config` and `build_config`. Each family reads its own Hugging Face
+`config.json` in its folder (`nemotron/config.py`, `setdlm/config.py`);
+`families.parse_hf_config` picks the reader by `model_type`.
 """
 
 from __future__ import annotations
@@ -16,8 +18,6 @@ from typing import Any, Mapping
 
 import numpy as np
 
-NEMOTRON_MODEL_TYPE = "nemotron_labs_diffusion"
-SETDLM_MODEL_TYPE = "bd3lm"
 DTYPES = ("float32", "bfloat16")
 
 
@@ -28,7 +28,7 @@ class ConfigError(ValueError):
 class FieldError(ConfigError):
     """A ModelConfig field out of its range. `problem` may name other fields as "{0}",
     "{1}", ... (`refs`), so that a config.json reader can say the field names its file
-    uses (see `_build`)."""
+    uses (see `build_config`)."""
 
     def __init__(self, field: str, problem: str, refs: tuple[str, ...] = ()):
         self.field, self.problem, self.refs = field, problem, refs
@@ -301,7 +301,8 @@ class Section(dict):
     prefix: str = ""
 
 
-def _name(cfg: Mapping[str, Any], key: str) -> str:
+def field_name(cfg: Mapping[str, Any], key: str) -> str:
+    """A key as messages spell it: with the path of the section it sits in."""
     return getattr(cfg, "prefix", "") + key
 
 
@@ -311,7 +312,8 @@ def where(cfg: Mapping[str, Any], label: str) -> str:
     return f"{label} ({file})" if file is not None else label
 
 
-def _show(value) -> str:
+def show(value) -> str:
+    """A value as messages show it: as JSON when it is JSON."""
     try:
         return json.dumps(value)
     except (TypeError, ValueError):
@@ -322,8 +324,8 @@ def _get(cfg: Mapping[str, Any], key: str, place: str, default, kind: str, error
     value = cfg.get(key)
     if value is None and default is REQUIRED:
         if key in cfg:
-            raise error(f"{place}: field {_name(cfg, key)!r} is null; it must be {kind}")
-        raise error(f"{place} is missing the field {_name(cfg, key)!r}")
+            raise error(f"{place}: field {field_name(cfg, key)!r} is null; it must be {kind}")
+        raise error(f"{place} is missing the field {field_name(cfg, key)!r}")
     return value
 
 
@@ -337,11 +339,13 @@ def int_field(cfg: Mapping[str, Any], key: str, place: str, default: Any = REQUI
     if isinstance(value, (float, np.floating)) and float(value).is_integer():
         value = int(value)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise error(f"{place}: field {_name(cfg, key)!r} must be an integer, got {_show(value)}")
+        raise error(f"{place}: field {field_name(cfg, key)!r} must be an integer, "
+                    f"got {show(value)}")
     if minimum is not None and value < minimum:
-        raise error(f"{place}: field {_name(cfg, key)!r} must be >= {minimum}, got {value}")
+        raise error(f"{place}: field {field_name(cfg, key)!r} must be >= {minimum}, got {value}")
     if value > INT_MAX:
-        raise error(f"{place}: field {_name(cfg, key)!r} must be <= {INT_MAX} (int32), got {value}")
+        raise error(f"{place}: field {field_name(cfg, key)!r} must be <= {INT_MAX} (int32), "
+                    f"got {value}")
     return int(value)
 
 
@@ -353,13 +357,13 @@ def float_field(cfg: Mapping[str, Any], key: str, place: str, default: Any = REQ
         return default
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, _NUMBERS) \
             or not _finite(value):
-        raise error(f"{place}: field {_name(cfg, key)!r} must be a finite number, "
-                    f"got {_show(value)}")
+        raise error(f"{place}: field {field_name(cfg, key)!r} must be a finite number, "
+                    f"got {show(value)}")
     if abs(value) > FLOAT_MAX:
-        raise error(f"{place}: field {_name(cfg, key)!r} must be within float32 range "
-                    f"(|x| <= {FLOAT_MAX:.7g}), got {_show(value)}")
+        raise error(f"{place}: field {field_name(cfg, key)!r} must be within float32 range "
+                    f"(|x| <= {FLOAT_MAX:.7g}), got {show(value)}")
     if positive and value <= 0:
-        raise error(f"{place}: field {_name(cfg, key)!r} must be > 0, got {value}")
+        raise error(f"{place}: field {field_name(cfg, key)!r} must be > 0, got {value}")
     return float(value)
 
 
@@ -368,8 +372,8 @@ def bool_field(cfg: Mapping[str, Any], key: str, place: str, default: bool) -> b
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise ConfigError(f"{place}: field {_name(cfg, key)!r} must be true or false, "
-                          f"got {_show(value)}")
+        raise ConfigError(f"{place}: field {field_name(cfg, key)!r} must be true or false, "
+                          f"got {show(value)}")
     return value
 
 
@@ -377,14 +381,14 @@ def section(cfg: Mapping[str, Any], key: str, place: str) -> Section:
     """A nested object (an empty one when absent or null)."""
     value = cfg.get(key)
     if value is not None and not isinstance(value, Mapping):
-        raise ConfigError(f"{place}: field {_name(cfg, key)!r} must be an object, "
-                          f"got {_show(value)}")
+        raise ConfigError(f"{place}: field {field_name(cfg, key)!r} must be an object, "
+                          f"got {show(value)}")
     out = Section(value or {})
-    out.prefix = _name(cfg, key) + "."
+    out.prefix = field_name(cfg, key) + "."
     return out
 
 
-def _first_id(cfg: Mapping[str, Any], key: str, place: str) -> int | None:
+def first_id(cfg: Mapping[str, Any], key: str, place: str) -> int | None:
     """A token id that may be written as a list of ids (the first is used)."""
     value = cfg.get(key)
     if isinstance(value, (list, tuple)):
@@ -397,11 +401,12 @@ def _first_id(cfg: Mapping[str, Any], key: str, place: str) -> int | None:
 
 
 def require_object(cfg, place: str) -> None:
+    """Raises ConfigError unless `cfg` is a JSON object."""
     if not isinstance(cfg, Mapping):
         raise ConfigError(f"{place} must be a JSON object ({{...}}), got {type(cfg).__name__}")
 
 
-def _build(origin: dict[str, tuple[str, str]], place: str, **fields) -> ModelConfig:
+def build_config(origin: dict[str, tuple[str, str]], place: str, **fields) -> ModelConfig:
     """ModelConfig(**fields), a field out of its range named as its config.json spells it:
     `origin` maps a ModelConfig field to (the file's label, the key path read)."""
     def spelled(field: str) -> str:
@@ -416,92 +421,16 @@ def _build(origin: dict[str, tuple[str, str]], place: str, **fields) -> ModelCon
         raise ConfigError(f"{at}: field {key!r} {e.describe(spelled)}") from None
 
 
-def _head_dim(cfg, place: str, hidden: int, heads: int) -> int:
+def read_head_dim(cfg, place: str, hidden: int, heads: int) -> int:
     """head_dim, or hidden_size / num_attention_heads when absent (which must divide)."""
     head_dim = int_field(cfg, "head_dim", place, None, minimum=1)
     if head_dim is not None:
         return head_dim
     if hidden % heads:
-        raise ConfigError(f"{place}: field {_name(cfg, 'hidden_size')!r} ({hidden}) must be a "
-                          f"multiple of {_name(cfg, 'num_attention_heads')!r} ({heads}) when "
-                          f"{_name(cfg, 'head_dim')!r} is not given")
+        raise ConfigError(f"{place}: field {field_name(cfg, 'hidden_size')!r} ({hidden}) must "
+                          f"be a multiple of {field_name(cfg, 'num_attention_heads')!r} "
+                          f"({heads}) when {field_name(cfg, 'head_dim')!r} is not given")
     return hidden // heads
-
-
-_NEMOTRON_KEYS = {
-    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
-    "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
-    "head_dim": "head_dim", "intermediate_size": "intermediate_size",
-    "rms_norm_eps": "rms_norm_eps", "mask_token_id": "mask_token_id",
-    "eos_token_id": "eos_token_id", "bos_token_id": "bos_token_id", "block_size": "block_size",
-    "max_position_embeddings": "max_position_embeddings",
-}
-_NEMOTRON_ROPE_KEYS = {
-    "rope_type": "rope_type", "rope_factor": "factor",
-    "rope_original_max_position": "original_max_position_embeddings",
-    "rope_beta_fast": "beta_fast", "rope_beta_slow": "beta_slow", "rope_mscale": "mscale",
-    "rope_mscale_all_dim": "mscale_all_dim", "llama4_scaling_beta": "llama_4_scaling_beta",
-}
-
-
-def nemotron_from_hf(cfg: Mapping[str, Any], dtype: str = "float32") -> ModelConfig:
-    """Reads a Nemotron-Labs-Diffusion `config.json` (Ministral-3 backbone)."""
-    place = where(cfg, "Nemotron-Labs-Diffusion config.json")
-    require_object(cfg, place)
-    hidden = int_field(cfg, "hidden_size", place, minimum=1)
-    heads = int_field(cfg, "num_attention_heads", place, minimum=1)
-    # Ministral-3 decouples head_dim from hidden/heads (the 3B model maps 3072 -> 4096).
-    head_dim = _head_dim(cfg, place, hidden, heads)
-    # transformers >= 5 writes `rope_parameters`; older configs use rope_theta + rope_scaling.
-    rope_key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
-    rope = section(cfg, rope_key, place)
-    theta_in = rope if rope.get("rope_theta") is not None else cfg
-    rope_theta = float_field(theta_in, "rope_theta", place, 1e6, positive=True)
-    type_key = "rope_type" if "rope_type" in rope else "type"
-    rope_type = rope.get(type_key) or "default"
-    if rope_type not in ROPE_TYPES:
-        raise ConfigError(f"{place}: field {_name(rope, type_key)!r} must be one of "
-                          f"{ROPE_TYPES}, got {_show(rope_type)}")
-    mask_id = cfg.get("mask_token_id")
-    if mask_id is None:
-        raise ConfigError(f"{place} has no mask_token_id: the drafter needs a MASK token")
-    origin = {f: (place, k) for f, k in _NEMOTRON_KEYS.items()}
-    origin.update({f: (place, _name(rope, k)) for f, k in _NEMOTRON_ROPE_KEYS.items()})
-    origin["rope_type"] = (place, _name(rope, type_key))
-    origin["rope_theta"] = (place, _name(theta_in, "rope_theta"))
-    return _build(
-        origin, place,
-        family="nemotron",
-        vocab_size=int_field(cfg, "vocab_size", place, minimum=1),
-        hidden_size=hidden,
-        num_layers=int_field(cfg, "num_hidden_layers", place, minimum=1),
-        num_heads=heads,
-        num_kv_heads=int_field(cfg, "num_key_value_heads", place, heads, minimum=1),
-        head_dim=head_dim,
-        intermediate_size=int_field(cfg, "intermediate_size", place, minimum=1),
-        rms_norm_eps=float_field(cfg, "rms_norm_eps", place, 1e-5, positive=True),
-        mask_token_id=int_field(cfg, "mask_token_id", place, minimum=0),
-        eos_token_id=_first_id(cfg, "eos_token_id", place),
-        bos_token_id=_first_id(cfg, "bos_token_id", place),
-        # The default block size of the speculative schedules: B >= 2.
-        block_size=int_field(cfg, "block_size", place, 32, minimum=2),
-        max_position_embeddings=int_field(cfg, "max_position_embeddings", place, 4096,
-                                          minimum=1),
-        rope_theta=rope_theta,
-        rope_type=rope_type,
-        rope_factor=float_field(rope, "factor", place, 1.0, positive=True),
-        rope_original_max_position=int_field(rope, "original_max_position_embeddings", place,
-                                             0, minimum=0),
-        rope_beta_fast=float_field(rope, "beta_fast", place, 32.0),
-        rope_beta_slow=float_field(rope, "beta_slow", place, 1.0),
-        # 0 means unset, as in transformers' YaRN.
-        rope_mscale=float_field(rope, "mscale", place, None) or 1.0,
-        rope_mscale_all_dim=float_field(rope, "mscale_all_dim", place, None) or 1.0,
-        llama4_scaling_beta=float_field(rope, "llama_4_scaling_beta", place, 0.0),
-        qk_norm=False,
-        tie_embeddings=bool_field(cfg, "tie_word_embeddings", place, False),
-        dtype=dtype,
-    )
 
 
 def read_hf_config(path: str | Path) -> ConfigFile:
@@ -526,127 +455,3 @@ def read_hf_config(path: str | Path) -> ConfigFile:
     out = ConfigFile(cfg)
     out.file = file
     return out
-
-
-def _base_config(base) -> dict[str, Any]:
-    if isinstance(base, Mapping):
-        return base
-    if not isinstance(base, (str, Path)):
-        raise ConfigError(f"base_config must be a dict or the path of a config.json, got "
-                          f"{type(base).__name__}")
-    return read_hf_config(base)
-
-
-def _setdlm_backbone(cfg, place: str, base_config):
-    """The Qwen3 config a SetDLM config's dimensions come from, and its label."""
-    if base_config is not None:
-        qwen = _base_config(base_config)
-        bplace = where(qwen, "SetDLM backbone (Qwen3) config")
-        require_object(qwen, bplace)
-    elif cfg.get("qwen3_config"):
-        qwen, bplace = section(cfg, "qwen3_config", place), place
-    else:
-        backbone = section(cfg, "backbone_config", place)
-        name = backbone.get("pretrained_model_name_or_path", "<unnamed>")
-        raise ConfigError(
-            f"{place} names its backbone {name!r} (backbone_config.pretrained_model_name_or_path) "
-            "but does not carry its dimensions: pass base_config= the config.json of that model "
-            "(a path to the file or its directory, or a dict)")
-    if qwen.get("model_type", "qwen3") != "qwen3":
-        raise ConfigError(f"{bplace}: model_type {qwen.get('model_type')!r}, expected 'qwen3'")
-    rope = section(qwen, "rope_parameters", bplace)
-    if qwen.get("rope_scaling"):
-        raise ConfigError(f"{bplace}: field {_name(qwen, 'rope_scaling')!r} must be null: only "
-                          f"plain RoPE is supported, got {_show(qwen.get('rope_scaling'))}")
-    if rope.get("rope_type", "default") != "default":
-        raise ConfigError(f"{bplace}: field {_name(rope, 'rope_type')!r} must be 'default': only "
-                          f"plain RoPE is supported, got {_show(rope.get('rope_type'))}")
-    return qwen, bplace
-
-
-def _setdlm_layers(cfg, place: str, qwen, bplace: str) -> int:
-    """The layers kept: backbone_config.num_layers, at most the base model's."""
-    base_layers = int_field(qwen, "num_hidden_layers", bplace, minimum=1)
-    backbone = section(cfg, "backbone_config", place)
-    layers = int_field(backbone, "num_layers", place, base_layers, minimum=1)
-    if layers > base_layers:
-        raise ConfigError(f"{place}: backbone_config.num_layers {layers} must be in "
-                          f"[1, {base_layers}] (the base model's "
-                          f"{_name(qwen, 'num_hidden_layers')!r})")
-    if backbone.get("keep_top_layers"):
-        raise ConfigError(f"{place}: backbone_config.keep_top_layers is not supported")
-    return layers
-
-
-_QWEN3_KEYS = {
-    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_heads": "num_attention_heads",
-    "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
-    "intermediate_size": "intermediate_size", "rms_norm_eps": "rms_norm_eps",
-    "max_position_embeddings": "max_position_embeddings",
-}
-
-
-def setdlm_from_hf(cfg: Mapping[str, Any], dtype: str = "float32",
-                   base_config: Mapping[str, Any] | str | Path | None = None) -> ModelConfig:
-    """Reads a SetDLM (BD3LM-style) `config.json`; the Qwen3 dims come from elsewhere.
-
-    The released configs name their backbone (`backbone_config.pretrained_model_name_or_path`)
-    instead of carrying its dimensions, so they come from `base_config` (that model's
-    config.json: a dict, a file or a directory) or, failing that, from an embedded
-    `qwen3_config`. Only the first `backbone_config.num_layers` layers are kept, as the
-    release's loader does. The vocabulary is sized from the backbone (the embedding rows),
-    never from the top-level `vocab_size`, which is the tokenizer length.
-    """
-    place = where(cfg, "SetDLM config.json")
-    require_object(cfg, place)
-    archs = cfg.get("architectures") or []
-    if isinstance(archs, str):
-        archs = [archs]
-    if not isinstance(archs, list):
-        raise ConfigError(f"{place}: field 'architectures' must be a list, got {_show(archs)}")
-    if archs and not any("setdlm" in str(a).lower() for a in archs):
-        raise ConfigError(f"{place}: architectures {cfg.get('architectures')} is not SetDLM "
-                          "(other BD3LM-style models are not supported)")
-    qwen, bplace = _setdlm_backbone(cfg, place, base_config)
-    hidden = int_field(qwen, "hidden_size", bplace, minimum=1)
-    heads = int_field(qwen, "num_attention_heads", bplace, minimum=1)
-    layers = _setdlm_layers(cfg, place, qwen, bplace)
-    tok = section(cfg, "tokenization_config", place)
-    # Token ids are read from the top level, else from tokenization_config.
-    ids = {key: cfg if key in cfg else tok for key in ("mask_token_id", "eos_token_id",
-                                                       "bos_token_id")}
-    mask_id = int_field(ids["mask_token_id"], "mask_token_id", place, None, minimum=0)
-    if mask_id is None:
-        raise ConfigError(f"{place} has no mask_token_id: the drafter needs a MASK token")
-    rope = section(qwen, "rope_parameters", bplace)
-    theta_in = qwen if qwen.get("rope_theta") is not None else rope
-    noise = section(cfg, "noise_config", place)
-    origin = {f: (bplace, _name(qwen, k)) for f, k in _QWEN3_KEYS.items()}
-    origin.update({key: (place, _name(src, key)) for key, src in ids.items()})
-    origin.update(num_layers=(place, "backbone_config.num_layers"),
-                  block_size=(place, _name(noise, "desired_block_size")),
-                  rope_theta=(bplace, _name(theta_in, "rope_theta")))
-    return _build(
-        origin, place,
-        family="setdlm",
-        vocab_size=int_field(qwen, "vocab_size", bplace, minimum=1),
-        hidden_size=hidden,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=int_field(qwen, "num_key_value_heads", bplace, heads, minimum=1),
-        head_dim=_head_dim(qwen, bplace, hidden, heads),
-        intermediate_size=int_field(qwen, "intermediate_size", bplace, minimum=1),
-        rms_norm_eps=float_field(qwen, "rms_norm_eps", bplace, 1e-6, positive=True),
-        mask_token_id=mask_id,
-        eos_token_id=_first_id(ids["eos_token_id"], "eos_token_id", place),
-        bos_token_id=_first_id(ids["bos_token_id"], "bos_token_id", place),
-        # The noise schedule's desired block size is the window the checkpoint was tuned for.
-        block_size=int_field(noise, "desired_block_size", place, 8, minimum=1),
-        max_position_embeddings=int_field(qwen, "max_position_embeddings", bplace, 4096,
-                                          minimum=1),
-        rope_theta=float_field(theta_in, "rope_theta", bplace, 1e6, positive=True),
-        rope_type="default",
-        qk_norm=True,
-        tie_embeddings=bool_field(qwen, "tie_word_embeddings", bplace, True),
-        dtype=dtype,
-    )

@@ -33,7 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import batched, engine, requests, sharding
+from . import batched, options
+from .engine import Engine, to_host
+from .options import Batch
+from .results import DecodeResult, check_finite, of_outcome
 
 
 @dataclasses.dataclass
@@ -53,27 +56,8 @@ class Stats:
         return max(0.0, 1.0 - (self.loop_s + self.refill_s) / self.wall_s)
 
 
-def _pinner(model, slots: int):
-    """`pin(state)`: on a mesh, the batched state with every leaf constrained to where it
-    lives (the cache as sharding.cache_spec, the rest split over "data" by slot), so the
-    programs that pass it on to each other agree on it; on one device, the identity."""
-    mesh = sharding.mesh_of(model.params)
-    if mesh is None:
-        return lambda s: s
-    NamedSharding = jax.sharding.NamedSharding
-    rows = NamedSharding(mesh, sharding.batch_spec(mesh, slots))
-    cache = NamedSharding(mesh, sharding.cache_spec(model.config, mesh, slots))
-
-    def pin(s):
-        rest = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, rows),
-                            s.replace(cache=None))
-        return batched.pin_cache(rest.replace(cache=s.cache), cache)
-
-    return pin
-
-
-def _programs(model, family, batch: engine.Batch, pin):
-    loop = family.build(model, batch.program)
+def _programs(engine: Engine, batch: Batch, pin):
+    loop = engine.loop(batch.program)
     start, step, outcome = loop.init, loop.step, loop.outcome
     step_all = batched.step_batch(step)
     first = batched.start_batch(start)
@@ -121,111 +105,141 @@ def refill_bucket(n: int, capacity: int) -> int:
     `capacity`). A first call's cost grows with its rows, and a refill pays it for every
     prompt it starts; the halfway points cut the padding from up to half the rows to up
     to a third, for twice the programs."""
-    b = engine.MIN_BUCKET
+    b = options.MIN_BUCKET
     while b < n:
         b = b * 3 // 2 if (b & (b - 1)) == 0 else b // 3 * 4  # 2^k -> 1.5 * 2^k -> 2^(k+1)
     return min(b, capacity)
 
 
-def decode_queue(model, family, batch: engine.Batch, slots: int,
-                 every: int = 64) -> tuple[list[engine.DecodeResult], Stats]:
-    """Decodes every request of `batch` (any number) with `slots` sequences at a time,
-    refilling stopped slots as they stop (handing control to the host at least every
-    `every` iterations); returns one DecodeResult per request, in order (each equal to
-    that request decoded alone; `wall_s` is the whole queue's, compilation excluded), and
-    the timing `Stats`."""
-    # Both become int32 on device (slot indices, the iteration bound).
-    slots = requests.integer(slots, "slots", 1, requests.INT32_MAX, "slot indices are int32")
-    every = requests.integer(every, "every", 1, requests.INT32_MAX,
-                             "the loop counts iterations in int32")
-    reqs = batch.requests
-    # On a mesh (a model loaded with `mesh=`) the slots are split over "data" and every
-    # call is tensor-parallel over "model", as in a batched decode (engine.run_batch).
-    begin, resume, refill, outcome = _programs(model, family, batch, _pinner(model, slots))
-    key = (model.key, batch.program, "queue", slots) + engine.placement(model)
-    params = model.params
-    compile_s = 0.0
+class _Queue:
+    """The host side of one queue: its compiled programs, the requests' arguments, which
+    request each slot holds, the outcomes taken so far and the timing counts."""
 
-    def program(name, fn, *args, donate=()):
-        nonlocal compile_s
-        exe, seconds = engine.aot(key + name, fn, *args, donate=donate)
-        compile_s += seconds
+    def __init__(self, engine: Engine, batch: Batch, slots: int, every: int):
+        self.engine, self.batch, self.slots = engine, batch, slots
+        # On a mesh (a model loaded with `mesh=`) the slots are split over "data" and every
+        # call is tensor-parallel over "model", as in a batched decode (Engine.decode_batch).
+        self.begin, self.resume, self.refill, self.outcome = _programs(
+            engine, batch, engine.pinned(slots))
+        self.params = engine.model.params
+        self.compile_s = 0.0
+        # Every request's arguments, once, on the host: a refill's are rows of them
+        # (building them per refill would cost the host about as much as its first call).
+        self.table = batch.host_args()
+        self.every = engine.place(np.int32(every))
+        n = len(batch.members)
+        self.queue = collections.deque(range(slots, n))
+        self.holder = [i if i < n else None for i in range(slots)]
+        self.outs: list = [None] * n
+        self.loop_s = self.refill_s = 0.0
+        self.trips = self.refills = self.steps = self.calls = self.forward = 0
+
+    def program(self, name, fn, *args, donate=()):
+        exe, seconds = self.engine.compile(("queue", self.batch.program, self.slots) + name,
+                                           fn, *args, donate=donate)
+        self.compile_s += seconds
         return exe
 
-    # Every request's arguments, once, on the host: a refill's are rows of them (building
-    # them per refill would cost the host about as much as the refill's first call).
-    table = batch.host_args()
-
-    def refill_args(indices):
+    def refill_args(self, indices):
         """The requests `indices` as refill arguments: padded to a power of two entries
         (padding repeats the first), prompts to the bucket of the longest."""
-        rows = np.asarray(indices + indices[:1] * (_size(len(indices), slots) - len(indices)))
-        bucket = refill_bucket(int(table[1][rows].max()), batch.program.capacity)
-        prompts, n, limits, seeds = table
+        rows = np.asarray(indices + indices[:1] * (_size(len(indices), self.slots)
+                                                   - len(indices)))
+        prompts, n, limits, seeds = self.table
+        bucket = refill_bucket(int(n[rows].max()), self.batch.program.capacity)
         return (prompts[rows, :bucket], n[rows], jax.tree.map(lambda a: a[rows], limits),
                 seeds[rows])
 
-    head = [reqs[min(i, len(reqs) - 1)] for i in range(slots)]
-    head_args = engine.on_mesh(model, engine.Batch(batch.program, tuple(head)).host_args(),
-                               slots)
-    live = engine.on_mesh(model, np.arange(slots) < len(reqs), slots)
-    exe_begin = program(("begin",), begin, params, *head_args, live)
-    shape = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding),
-                         exe_begin.out_info)
-    every_ = engine.on_mesh(model, np.int32(every))
-    exe_resume = program(("resume",), resume, params, shape, every_, donate=(1,))
-    exe_outcome = program(("outcome",), outcome, shape)
-    compile_before = compile_s
+    def start(self):
+        """The first `slots` requests' first calls (slots past the queue start stopped),
+        with the loop and outcome programs compiled for that state."""
+        reqs, slots, e = self.batch.members, self.slots, self.engine
+        head = [reqs[min(i, len(reqs) - 1)] for i in range(slots)]
+        head_args = e.place(Batch(self.batch.program, tuple(head)).host_args(), slots)
+        live = e.place(np.arange(slots) < len(reqs), slots)
+        exe_begin = self.program(("begin",), self.begin, self.params, *head_args, live)
+        self.shape = jax.tree.map(
+            lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding),
+            exe_begin.out_info)
+        self.exe_resume = self.program(("resume",), self.resume, self.params, self.shape,
+                                       self.every, donate=(1,))
+        self.exe_outcome = self.program(("outcome",), self.outcome, self.shape)
+        self.compile_before = self.compile_s
+        self.t0 = time.perf_counter()
+        s = exe_begin(self.params, *head_args, live)
+        self.forward = int(np.max(to_host(s.nfe)))  # the first batch's first calls
+        return s
 
-    t0 = time.perf_counter()
-    s = exe_begin(params, *head_args, live)
-    loop_s = refill_s = 0.0
-    trips = refills = steps = calls = 0
-    forward = int(np.max(engine.to_host(s.nfe)))  # the first batch's first calls
-    queue = collections.deque(range(slots, len(reqs)))
-    holder = [i if i < len(reqs) else None for i in range(slots)]
-    outs: list = [None] * len(reqs)
-    while any(h is not None for h in holder):
+    def trip(self, s):
+        """Runs the loop until a running slot stops (at most `every` iterations); the state
+        and the slots whose request has finished."""
         t = time.perf_counter()
-        s, ran, made = exe_resume(params, s, every_)
-        done, ran, made = engine.to_host((s.done, ran, made))
-        loop_s += time.perf_counter() - t
-        trips += 1
-        steps += int(ran)
-        forward += int(made)
-        finished = [j for j, h in enumerate(holder) if h is not None and done[j]]
-        if not finished:
-            continue
-        new = [queue.popleft() for _ in range(min(len(finished), len(queue)))]
+        s, ran, made = self.exe_resume(self.params, s, self.every)
+        done, ran, made = to_host((s.done, ran, made))
+        self.loop_s += time.perf_counter() - t
+        self.trips += 1
+        self.steps += int(ran)
+        self.forward += int(made)
+        return s, [j for j, h in enumerate(self.holder) if h is not None and done[j]]
+
+    def refill_slots(self, s, finished: list[int], new: list[int]):
+        """One call takes the outcomes of the slots it refills and starts the requests
+        `new` there; entries past len(new) name no slot (read clipped, unused; write
+        dropped)."""
+        args = self.refill_args(new)
+        where = np.full(len(args[1]), self.slots, np.int32)
+        where[: len(new)] = finished[: len(new)]
+        where, args = self.engine.place((where, args), len(where))
+        exe = self.program(("refill",) + args[0].shape, self.refill, self.params, self.shape,
+                           where, *args, donate=(1,))
+        t = time.perf_counter()
+        s, taken, made = exe(self.params, s, where, *args)
+        taken, made = to_host((taken, made))
+        self.refill_s += time.perf_counter() - t
+        self.calls += 1
+        self.forward += int(made)
+        self.refills += len(new)
+        for j, i in enumerate(new):
+            self.take(finished[j], taken, j)
+            self.holder[finished[j]] = i
+        return s
+
+    def take(self, slot: int, taken: dict, row: int) -> None:
+        self.outs[self.holder[slot]] = {name: x[row] for name, x in taken.items()}
+
+    def retire(self, s, rest: list[int]) -> None:
+        """The queue ran out: these slots' outcomes are taken and they stay stopped."""
+        taken = to_host(self.exe_outcome(s))
+        for j in rest:
+            self.take(j, taken, j)
+            self.holder[j] = None
+
+    def results(self) -> tuple[list[DecodeResult], Stats]:
+        # Refill programs compiled on first use are not part of the decode's time.
+        wall = time.perf_counter() - self.t0 - (self.compile_s - self.compile_before)
+        results = []
+        for r, out in zip(self.batch.members, self.outs):
+            check_finite(out["nonfinite_at"], out["iterations"], out["tokens"])
+            results.append(of_outcome(self.engine.model, self.engine.family, r, out, wall,
+                                      self.compile_s))
+        return results, Stats(wall, self.loop_s, self.refill_s, self.trips, self.refills,
+                              self.steps, self.calls, self.forward)
+
+
+def decode_queue(engine: Engine, batch: Batch, slots: int,
+                 every: int = 64) -> tuple[list[DecodeResult], Stats]:
+    """Decodes every request of `batch` (any number) with `slots` sequences at a time,
+    refilling stopped slots as they stop (handing control to the host at least every
+    `every` iterations; both checked by the caller, `api.decode_continuous`); returns one
+    DecodeResult per request, in order (each equal to that request decoded alone;
+    `wall_s` is the whole queue's, compilation excluded), and the timing `Stats`."""
+    q = _Queue(engine, batch, slots, every)
+    s = q.start()
+    while any(h is not None for h in q.holder):
+        s, finished = q.trip(s)
+        new = [q.queue.popleft() for _ in range(min(len(finished), len(q.queue)))]
         if new:
-            # One call takes the outcomes of the slots it refills and starts the new
-            # prompts there; entries past len(new) name no slot (read clipped, unused;
-            # write dropped).
-            args = refill_args(new)
-            where = np.full(len(args[1]), slots, np.int32)
-            where[: len(new)] = finished[: len(new)]
-            where, args = engine.on_mesh(model, (where, args), len(where))
-            exe = program(("refill",) + args[0].shape, refill, params, shape, where, *args,
-                          donate=(1,))
-            t = time.perf_counter()
-            s, taken, made = exe(params, s, where, *args)
-            taken, made = engine.to_host((taken, made))
-            refill_s += time.perf_counter() - t
-            calls += 1
-            forward += int(made)
-            refills += len(new)
-            for j, i in enumerate(new):
-                outs[holder[finished[j]]] = {name: x[j] for name, x in taken.items()}
-                holder[finished[j]] = i
-        if rest := finished[len(new):]:  # the queue ran out: these slots stay stopped
-            taken = engine.to_host(exe_outcome(s))
-            for j in rest:
-                outs[holder[j]] = {name: x[j] for name, x in taken.items()}
-                holder[j] = None
-    # Refill programs compiled on first use are not part of the decode's time.
-    wall = time.perf_counter() - t0 - (compile_s - compile_before)
-    results = []
-    for r, out in zip(reqs, outs):
-        engine.check_finite(out["nonfinite_at"], out["iterations"], out["tokens"])
-        results.append(engine.result(model, family, r, out, wall, compile_s))
-    return results, Stats(wall, loop_s, refill_s, trips, refills, steps, calls, forward)
+            s = q.refill_slots(s, finished, new)
+        if rest := finished[len(new):]:
+            q.retire(s, rest)
+    return q.results()

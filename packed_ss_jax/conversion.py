@@ -96,7 +96,7 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "bfloat16", lora: boo
             guard.armed = False  # a plain store: no signal can land between it and commit
             with guard.blocked():
                 writer.commit()
-        except BaseException as e:
+        except BaseException:
             guard.armed = False  # first statement, before any call a handler could run in
             with guard.blocked():
                 writer.abort()

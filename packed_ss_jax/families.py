@@ -13,9 +13,11 @@ import dataclasses
 from typing import Any, Callable
 
 from . import config as config_lib
+from .nemotron import checkpoint as nemotron_checkpoint
+from .nemotron import config as nemotron_config
 from .nemotron import program as nemotron_program
-from .checkpoints import nemotron as nemotron_checkpoint
-from .checkpoints import setdlm as setdlm_checkpoint
+from .setdlm import checkpoint as setdlm_checkpoint
+from .setdlm import config as setdlm_config
 from .setdlm import program as setdlm_program
 from .setdlm import schedules as setdlm_schedules
 
@@ -36,7 +38,6 @@ class Family:
     min_width: int
     # The width B = W + 1 counts x with the W drafts (Nemotron); a window counts W alone.
     width_counts_x: bool
-    stop_sequences: bool       # multi-token stop markers
     parse_config: Callable[..., config_lib.ModelConfig]  # (cfg, dtype, base_config)
     read_weights: Callable[..., dict]  # (path, config, progress) -> params
     # The draft-only adapter's folder and reader (path -> (rank, alpha) or None), if any.
@@ -45,7 +46,6 @@ class Family:
     # (model, program) -> Loop (loop.py): run(params, prompt, n, limits, key) -> outcome,
     # and the same decode in chunks: start, resume, outcome, progress.
     build: Callable[[Any, Any], Any]
-    limits: Callable[..., dict]  # (tokenizer, vocab, max_new, eos_id, stop_sequences) -> traced limits
 
     def width(self, schedule: str, requested: int) -> int:
         """The program's width: the request's, or 1 for the one-token reference."""
@@ -56,31 +56,24 @@ class Family:
         return width - 1 if self.width_counts_x else width
 
 
-def _nemotron_config(cfg, dtype, base_config):
-    if base_config is not None:
-        raise config_lib.ConfigError("base_config is only used for SetDLM checkpoints")
-    return config_lib.nemotron_from_hf(cfg, dtype)
-
-
 NEMOTRON = Family(
-    name="nemotron", title="Nemotron-Labs-Diffusion", model_type=config_lib.NEMOTRON_MODEL_TYPE,
+    name="nemotron", title="Nemotron-Labs-Diffusion", model_type=nemotron_config.MODEL_TYPE,
     schedules=tuple(nemotron_program.SCHEDULES), reference="ar", inexact=(),
     sampled=tuple(nemotron_program.SCHEDULES), orders=("ltr",), orderless=("ar",),
-    width_name="block_size", width_symbol="B", min_width=2, width_counts_x=True, stop_sequences=True,
-    parse_config=_nemotron_config, read_weights=nemotron_checkpoint.read,
+    width_name="block_size", width_symbol="B", min_width=2, width_counts_x=True,
+    parse_config=nemotron_config.from_hf, read_weights=nemotron_checkpoint.read,
     adapter_dir=nemotron_checkpoint.LORA_DIR, read_adapter=nemotron_checkpoint.lora_config,
-    build=nemotron_program.build, limits=nemotron_program.limits)
+    build=nemotron_program.build)
 
 SETDLM = Family(
-    name="setdlm", title="SetDLM", model_type=config_lib.SETDLM_MODEL_TYPE,
+    name="setdlm", title="SetDLM", model_type=setdlm_config.MODEL_TYPE,
     schedules=tuple(setdlm_schedules.SCHEDULES), reference="serial",
     inexact=("native",),  # the release's threshold decoder: not a speculative schedule
     sampled=setdlm_schedules.SAMPLED, orders=setdlm_program.ORDERS,
     orderless=("serial", "native"), width_name="window", width_symbol="W", min_width=1, width_counts_x=False,
-    stop_sequences=True, parse_config=config_lib.setdlm_from_hf,
+    parse_config=setdlm_config.from_hf,
     read_weights=setdlm_checkpoint.read, adapter_dir=None, read_adapter=None,
-    build=setdlm_program.build,
-    limits=setdlm_program.limits)
+    build=setdlm_program.build)
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (NEMOTRON, SETDLM)}
 
@@ -98,7 +91,7 @@ def parse_hf_config(cfg, dtype: str = "float32", base_config=None) -> config_lib
     """A Hugging Face config.json (a dict from `config.read_hf_config`) -> ModelConfig,
     read by the family its `model_type` names; other model types get a clear error.
 
-    `base_config` (SetDLM only) supplies the backbone dimensions, see `setdlm_from_hf`.
+    `base_config` (SetDLM only) supplies the backbone dimensions, see `setdlm.config.from_hf`.
     """
     config_lib.require_object(cfg, config_lib.where(cfg, "config.json"))
     model_type = cfg.get("model_type")

@@ -131,35 +131,60 @@ def load(path: str | Path | None = None, dtype: str = "float32", lora: bool | No
            the process that read it. A converted directory is read whole by every
            process (see `store.restore`), then each places only its devices' slices.
     """
+    _check_options(dtype, matmul_precision)
+    path = _directory(path)
+    if store.is_converted(path):
+        config = _converted_config(path, dtype, lora)
+        # Called from load itself: its missing-checksum warning (stacklevel) names the
+        # caller of load.
+        params = store.restore(path, config, verify=verify, progress=progress,
+                               place=None if mesh is None else sharding.placer(config, mesh))
+    else:
+        config, params = _read_hugging_face(path, dtype, lora, base_config, progress, mesh)
+    tok = _tokenizer(path) if tokenizer is None else _given_tokenizer(Path(tokenizer))
+    config = config.replace(matmul_precision=matmul_precision)
+    return Model(config=config, params=params, tokenizer=tok, source=str(path))
+
+
+def _check_options(dtype: str, matmul_precision: str) -> None:
+    """Refuses an unknown dtype or matmul precision before anything is read."""
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; expected one of {DTYPES}")
     if matmul_precision not in MATMUL_PRECISIONS:
         raise ConfigError(f"unknown matmul_precision {matmul_precision!r}; expected one of "
                           f"{tuple(MATMUL_PRECISIONS)}")
-    path = _directory(path)
-    if store.is_converted(path):
-        config = store.read_config(path).replace(dtype=dtype)
-        if lora is False and config.lora_rank:
-            raise ConfigError("this converted checkpoint includes its adapter; reconvert with "
-                              "lora=False to drop it")
-        if lora and not config.lora_rank:
-            raise CheckpointError(f"lora=True but {path} was converted without an adapter")
-        params = store.restore(path, config, verify=verify, progress=progress,
-                               place=None if mesh is None else sharding.placer(config, mesh))
-    else:
-        config = hf_config(path, dtype, lora, base_config)
-        # Each tensor goes to the device as it is read (jax.device_put copies once;
-        # jnp.asarray would copy twice), so loading holds one tensor besides the params.
-        place = jax.device_put if mesh is None else sharding.placer(config, mesh)
-        params = read_weights(path, config, progress=progress, place=place)
-    if tokenizer is not None:
-        tokenizer = Path(tokenizer)
-        if not tokenizer.exists():
-            raise FileNotFoundError(f"tokenizer {tokenizer} does not exist")
-        tok = _tokenizer(tokenizer)
-        if tok is None:
-            raise FileNotFoundError(f"no tokenizer.json in {tokenizer}")
-    else:
-        tok = _tokenizer(path)
-    config = config.replace(matmul_precision=matmul_precision)
-    return Model(config=config, params=params, tokenizer=tok, source=str(path))
+
+
+def _converted_config(path: Path, dtype: str, lora: bool | None) -> ModelConfig:
+    """The config of a directory written by `convert`. Its adapter was decided at
+    conversion, so a `lora` that asks otherwise is refused rather than ignored."""
+    config = store.read_config(path).replace(dtype=dtype)
+    if lora is False and config.lora_rank:
+        raise ConfigError("this converted checkpoint includes its adapter; reconvert with "
+                          "lora=False to drop it")
+    if lora and not config.lora_rank:
+        raise CheckpointError(f"lora=True but {path} was converted without an adapter")
+    return config
+
+
+def _read_hugging_face(path: Path, dtype: str, lora: bool | None, base_config, progress: bool,
+                       mesh) -> tuple[ModelConfig, dict]:
+    """(config, params) of a Hugging Face directory, each tensor placed on the device (or
+    its shards on the mesh) as soon as it is read."""
+    config = hf_config(path, dtype, lora, base_config)
+    # Each tensor goes to the device as it is read (jax.device_put copies once;
+    # jnp.asarray would copy twice), so loading holds one tensor besides the params.
+    place = jax.device_put if mesh is None else sharding.placer(config, mesh)
+    params = read_weights(path, config, progress=progress, place=place)
+    return config, params
+
+
+def _given_tokenizer(tokenizer: Path):
+    """The tokenizer `load(tokenizer=...)` names: a tokenizer.json or a directory holding
+    one, which must exist (unlike a checkpoint's own, which is optional)."""
+    if not tokenizer.exists():
+        raise FileNotFoundError(f"tokenizer {tokenizer} does not exist")
+    tok = _tokenizer(tokenizer)
+    if tok is None:
+        raise FileNotFoundError(f"no tokenizer.json in {tokenizer}")
+    return tok

@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .reductions import leading_true
 
@@ -41,14 +43,39 @@ TOP_P_STORE = 64
 
 
 @dataclasses.dataclass(frozen=True)
-class Sampler:
-    """temperature 0 is greedy (argmax, ties to the lowest id); top_k/top_p truncate."""
+class Sampling:
+    """What a compiled decode is specialised on: greedy or sampled, and the truncations
+    that fix the stored proposals' shape (top-k's k; whether top-p truncates). The
+    temperature and top-p values are not: they are traced (`Sampler`), so one sampled
+    program serves every temperature and top-p."""
 
-    temperature: float = 0.0
+    greedy: bool = True
     top_k: int | None = None
-    top_p: float | None = None
+    nucleus: bool = False   # top-p truncation (top_p < 1)
+
+    def bind(self, temperature, top_p) -> Sampler:
+        """The sampler of this program with its traced values (`top_p` unused unless
+        `nucleus`)."""
+        if self.greedy:
+            return Sampler()
+        return Sampler(temperature, self.top_k, top_p if self.nucleus else None, greedy=False)
+
+
+@flax.struct.dataclass
+class Sampler:
+    """temperature 0 is greedy (argmax, ties to the lowest id); top_k/top_p truncate.
+
+    Built from Python numbers (checked here) or, inside a program, from traced values
+    (`Sampling.bind`): `greedy` and `top_k` are static, temperature and top_p are data."""
+
+    temperature: Any = 0.0
+    top_k: int | None = flax.struct.field(pytree_node=False, default=None)
+    top_p: Any = None
+    greedy: bool | None = flax.struct.field(pytree_node=False, default=None)
 
     def __post_init__(self):
+        if self.greedy is not None:  # rebuilt from traced values: nothing to check
+            return
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
@@ -59,18 +86,40 @@ class Sampler:
         if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float))
                               or not 0.0 < p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1] (or None), got {p!r}")
+        if p is not None and p >= 1.0:  # keeps every token: no truncation
+            object.__setattr__(self, "top_p", None)
+        object.__setattr__(self, "greedy", t == 0)
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+    def sampling(self) -> Sampling:
+        """The static part: what picks the compiled program."""
+        if self.greedy:  # truncation does not change an argmax
+            return Sampling()
+        return Sampling(False, self.top_k, self.top_p is not None)
 
     def store_size(self, vocab: int) -> int | None:
         """Entries of Q kept per draft position; None = full rows."""
         if self.top_k is not None:
             return min(self.top_k, vocab)
-        if self.top_p is not None and self.top_p < 1.0:
+        if self.top_p is not None:
             return min(TOP_P_STORE, vocab)
         return None
+
+
+def next_keys(state, n: int, sampler: Sampler):
+    """n fresh PRNG keys for a loop step (None when greedy) and `state` with its key
+    (`state.key`) advanced."""
+    if sampler.greedy:
+        return state, [None] * n
+    keys = jax.random.split(state.key, n + 1)
+    return state.replace(key=keys[0]), list(keys[1:])
+
+
+def traced_values(s: Sampler) -> dict:
+    """The values a sampled program takes as data (float32, as the program holds them):
+    the temperature and top-p (1 when top-p does not truncate)."""
+    return {"temperature": np.float32(s.temperature),
+            "top_p": np.float32(1.0 if s.top_p is None else s.top_p)}
 
 
 @flax.struct.dataclass
@@ -163,7 +212,7 @@ def target(logits, s: Sampler):
     if s.top_k is not None and s.top_k < x.shape[-1]:
         z = jnp.where(_keep_top_k(x, s.top_k), z, -jnp.inf)
     logp = _normalise(z)
-    if s.top_p is not None and s.top_p < 1.0:
+    if s.top_p is not None:
         logp = _normalise(jnp.where(_keep_top_p(logp, z, s.top_p), logp, -jnp.inf))
     return logp
 

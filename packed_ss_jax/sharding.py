@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
 
 import jax
 import numpy as np
@@ -111,15 +110,6 @@ def param_spec(c: ModelConfig, mesh: Mesh, path: tuple[str, ...], ndim: int) -> 
     return spec(axes, mesh, _sizes(c))
 
 
-def param_shardings(c: ModelConfig, mesh: Mesh, params) -> Any:
-    """The NamedSharding of every weight of a params tree (decoding layout)."""
-    def one(path, x):
-        keys = tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
-        return NamedSharding(mesh, param_spec(c, mesh, keys, np.ndim(x)))
-
-    return jax.tree_util.tree_map_with_path(one, params)
-
-
 def local_slices(sharding: jax.sharding.Sharding, shape) -> list[tuple[slice, ...]]:
     """The distinct slices of an array of `shape` that this process's devices hold under
     `sharding`, each once (replicas share one), in device order. On a mesh spanning
@@ -194,8 +184,3 @@ def mesh_of(params) -> Mesh | None:
         if isinstance(s, NamedSharding) and math.prod(s.mesh.shape.values()) > 1:
             return s.mesh
     return None
-
-
-def describe(mesh: Mesh | None) -> dict[str, int] | None:
-    """{"data": D, "model": M} of a mesh (None for one device), for reports."""
-    return None if mesh is None else {a: int(mesh.shape[a]) for a in mesh.axis_names}

@@ -91,6 +91,14 @@ def table(tokenizer, vocab: int, eos_id: int | None, stop_sequences) -> dict:
     return {"stop_tok": tok, "stop_len": length}
 
 
+def limits(tokenizer, vocab: int, max_new: int, eos_id: int | None, stop_sequences) -> dict:
+    """A request's traced limits, the same for every family: the length limit and the
+    stop-marker table (EOS included). A marker is a token-id list, or a string when a
+    tokenizer is given; it counts once all its tokens are accepted, and the output ends
+    with the earliest (App. E.2)."""
+    return {"max_new": np.int32(max_new), **table(tokenizer, vocab, eos_id, stop_sequences)}
+
+
 def texts(stop_sequences) -> tuple[str, ...]:
     """The stops given as text (checked on the decoded text after the loop)."""
     return tuple(s for s in markers(stop_sequences) if isinstance(s, str))
@@ -120,15 +128,6 @@ def ends_in_new(out, n_out, new, count, stop_tok, stop_len):
 
 
 # --- on the host ------------------------------------------------------------------------------
-
-
-def ends_with_marker(tokens: list[int], stop_tok, stop_len) -> bool:
-    """The output ends with a whole marker of the table (it stopped there)."""
-    for row, n in zip(np.asarray(stop_tok), np.asarray(stop_len)):
-        n = int(n)
-        if n and len(tokens) >= n and tokens[-n:] == row[:n].tolist():
-            return True
-    return False
 
 
 def find_text(text: str, strings) -> tuple[int, int] | None:

@@ -15,7 +15,7 @@ import numpy as np
 jax.config.update("jax_default_matmul_precision", "highest")
 
 import packed_ss_jax as ps  # noqa: E402
-from packed_ss_jax import engine, families, sharding  # noqa: E402
+from packed_ss_jax import sharding  # noqa: E402
 
 MESHES = [(8, 1), (4, 2), (2, 4)]
 
@@ -45,10 +45,11 @@ def main(path: str) -> dict:
             if a.dtype != b.dtype or not np.array_equal(np.asarray(a), np.asarray(b))]
         out["meshes"][name] = [r.tokens for r in ps.decode(m, prompts, **kw)]
         if model > 1:
-            # From the compiled program: where the q projection of layer 0 is expected.
-            f = families.of(c)
-            batch = engine.prepare_batch(m, f, prompts, width=c.block_size, **kw)
-            exe, _ = engine.compiled_batch(m, f, batch)
+            # From the compiled program (the batched one `decode` ran above): where the q
+            # projection of layer 0 is expected.
+            engine = ps.Engine.of(m)
+            batch = engine.batch(prompts, ps.DecodeOptions(**kw))
+            exe = engine.executables()[("batch", batch.program, len(batch.members))]
             w = m.params["layer_0"]["attn"]["q_proj"]
             i = next(i for i, x in enumerate(jax.tree.leaves(m.params)) if x is w)
             s = jax.tree.leaves(exe.input_shardings[0])[i]

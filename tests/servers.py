@@ -64,9 +64,10 @@ class Server:
 
 
 @contextlib.contextmanager
-def running(*args: str, timeout: float = 180):
-    """A `packed-ss serve --port 0 ARGS` process, ready; killed on the way out."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PACKED_SS_COMPILE_CACHE="off")
+def running(*args: str, timeout: float = 180, env: dict | None = None):
+    """A `packed-ss serve --port 0 ARGS` process (`env`: more environment), ready;
+    killed on the way out."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PACKED_SS_COMPILE_CACHE="off", **(env or {}))
     env.pop("PACKED_SS_API_KEY", None)
     proc = subprocess.Popen([sys.executable, "-m", "packed_ss_jax", "serve", "--port", "0",
                              *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,

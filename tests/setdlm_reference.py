@@ -10,6 +10,7 @@ being live (App. C, Alg. 3 line 12).
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
 import packed_ss_jax as ps
@@ -184,3 +185,18 @@ def native(model, prompt, L, markers, W, threshold=0.9):
         led.drop(E)
         pending = [p for p in pending if p[0] < E]
     return [res[o] for o in range(E)], nfe
+
+def two_stream(x0, sigma, mask_id: int):
+    """The release's training construction: input `[x0[sigma] ; MASK^L]` at positions
+    `[sigma ; sigma]`. A clean row sees clean rows of earlier-or-equal rank; a query row
+    sees clean rows of strictly earlier rank and itself; so query row k gives
+    p(x_sigma(k) | x_sigma(<k)), every any-order conditional in one pass."""
+    x0, sigma = jnp.asarray(x0, jnp.int32), jnp.asarray(sigma, jnp.int32)
+    L = x0.shape[0]
+    k = jnp.arange(L)
+    earlier = k[None, :] < k[:, None]
+    I, Z = jnp.eye(L, dtype=bool), jnp.zeros((L, L), bool)
+    mask = jnp.concatenate([jnp.concatenate([earlier | I, Z], axis=1),
+                            jnp.concatenate([earlier, I], axis=1)])
+    tokens = jnp.concatenate([x0[sigma], jnp.full(L, mask_id, jnp.int32)])
+    return tokens, jnp.concatenate([sigma, sigma]), mask

@@ -78,6 +78,13 @@ SLOW: dict[str, tuple[str, tuple[str, ...] | None]] = {
         ("one program per schedule and width", ("packed-3",)),
     "test_compile_once.py::test_second_decode_does_not_recompile":
         ("a fresh compile per schedule", ("packed",)),
+    # Golden decodes: Packed-SS greedy and sampled on each family's embedded model stay.
+    "test_golden_fixtures.py::test_fixture_decode_matches_golden":
+        ("the fixture models' golden decodes", None),
+    "test_golden.py::test_decode_matches_golden":
+        ("every schedule, sampler, width, stop, batch, stream and queue of the embedded models",
+         tuple(f"{m}-packed-{k}" for m in ("nld-tiny", "setdlm-tiny")
+               for k in ("greedy", "t0.9-k40-p0.95"))),
     # Programs whose structure is checked at more dtypes and layouts than one.
     "test_cache_in_place.py::test_decode_loop_never_copies_the_cache":
         ("a sampled program per schedule (the greedy ones share other tests' programs)",
@@ -110,11 +117,18 @@ SLOW: dict[str, tuple[str, tuple[str, ...] | None]] = {
         ("both batching benchmarks end to end", None),
     "test_benchmarks.py::test_gpu_timing_smoke_prints_every_call":
         ("every schedule's call timed", None),
+    "test_scripts.py::test_real_size_end_to_end":
+        ("every stage of the real-size benchmark in its own process (the stages in this "
+         "process stay)", None),
     "test_convert_safety.py::test_interrupts_leave_complete_output_or_none":
         ("conversions interrupted at many points", None),
     "test_training.py::test_losses_fall_and_export_reloads_identically": ("a training run", None),
     "test_setdlm_training.py::test_setdlm_losses_fall_and_export_reloads_identically":
         ("a training run", None),
+    # The docs: the commands a page marks `# test: slow` (whole benchmarks, training,
+    # the GPU check's smoke run, a mesh of simulated devices), each with small limits.
+    "test_docs.py::test_slow_block": ("doc commands marked slow in their pages", None),
+    "test_docs.py::test_slow_python": ("doc examples marked slow in their pages", None),
     # Hostile input: the longest waits and the bulk of the fuzzing.
     "test_server_fuzz.py::test_completions_fuzz":
         ("a fuzz run decoding through the server (the raw-body fuzz stays)", None),

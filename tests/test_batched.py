@@ -107,7 +107,7 @@ def test_one_seed_for_every_prompt_and_checked_arguments():
     with pytest.raises(InputError, match="prompt"):
         ps.decode(m, [[2], []], **kw)
     with pytest.raises(InputError, match="prompts must be a non-empty list"):
-        ps.engine.prepare_batch(m, families.of(m.config), [], schedule="packed")
+        ps.Engine.of(m).batch([], ps.DecodeOptions(schedule="packed"))
 
 
 def test_bench_batches_give_each_prompts_tokens():
@@ -150,7 +150,6 @@ def test_continuous_batching_gives_each_prompts_tokens(family, temperature):
     also hands control back every two iterations. The loop program writes the cache in
     place (its state is donated, so the refills write into the same buffers)."""
     from hlo import body_results, loop_state, rebuilt
-    from packed_ss_jax import engine
 
     setup = SETUPS[family]
     m = setup["model"]()
@@ -160,7 +159,9 @@ def test_continuous_batching_gives_each_prompts_tokens(family, temperature):
               **setup["options"])
     results, stats = ps.decode_continuous(m, prompts, slots=4, every=2, seed=seeds, **kw)
     assert stats.refills == 5 and stats.refill_calls < stats.refills
-    assert any(k[2:6] == ("queue", 4, "refill", 4) for k in engine._compiled)  # padded
+    programs = ps.Engine.of(m).executables()
+    # The refill of three prompts runs padded to four entries.
+    assert any(k[0] == "queue" and k[2:5] == (4, "refill", 4) for k in programs)
     assert stats.round_trips > 1 and 0 <= stats.host_fraction < 1
     assert stats.steps >= max(r.iterations for r in results) - 1
     # Every batched call serves at least one sequence, and each sequence makes its own
@@ -169,9 +170,9 @@ def test_continuous_batching_gives_each_prompts_tokens(family, temperature):
     for p, s, b in zip(prompts, seeds, results):
         _same(ps.decode(m, p, seed=s, **kw), b)
     c = m.config
-    (exe,) = [e for k, e in engine._compiled.items()
-              if k[0] == m.key and k[2:] == ("queue", 4, "resume")
-              and k[1].sampler.temperature == temperature and k[1].schedule == "packed"]
+    (exe,) = [e for k, e in programs.items()
+              if k[0] == "queue" and k[2:] == (4, "resume")
+              and k[1].sampling.greedy == (temperature == 0.0) and k[1].schedule == "packed"]
     slots = {"nemotron": 96 + 4, "setdlm": 64 + 2 * 3 + 2}[family]
     shape = (4, c.num_kv_heads, slots, c.head_dim)
     hlo = exe.as_text()

@@ -118,18 +118,20 @@ def test_doubled_model_decodes_identically_with_twice_the_forwards():
         b = ps.decode(d, prompt, schedule=s, block_size=4, max_new_tokens=12, cache_size=128)
         assert (a.tokens, a.nfe, a.iterations) == (b.tokens, b.nfe, b.iterations)
     # twice the matmuls in the compiled step: the HLO of the doubled program has twice the dots
-    from packed_ss_jax import engine
+    from packed_ss_jax import Engine
 
-    texts = {k[0][0]: exe.as_text() for k, exe in engine._compiled.items()
-             if isinstance(k[1], engine.Program) and k[1].schedule == "ar" and k[1].capacity == 128}
-    assert texts["doubled"].count(" dot(") == 2 * texts["transformer"].count(" dot(")
+    def ar_program(model):
+        return next(exe.as_text() for k, exe in Engine.of(model).executables().items()
+                    if k[0] == "decode" and k[1].schedule == "ar" and k[1].capacity == 128)
+
+    assert ar_program(d).count(" dot(") == 2 * ar_program(m).count(" dot(")
 
 
 def test_null_model_runs_the_same_program_without_the_model():
     """The null decode has the real decode's shapes and steps, but no model work: no dot
     in its program, all drafts accepted, one ordinary token repeated up to the limit."""
     import packed_ss_jax as ps
-    from packed_ss_jax import engine
+    from packed_ss_jax import Engine
 
     m = ps.load()
     n = timing.Null(m)
@@ -143,9 +145,8 @@ def test_null_model_runs_the_same_program_without_the_model():
         r = ps.decode(n, prompt, schedule=s, block_size=B, max_new_tokens=L, cache_size=128)
         assert r.tokens == [n._token] * L and n._token not in (m.config.eos_token_id, m.mask_id)
         assert r.iterations == iterations, s
-    program = next(exe for k, exe in engine._compiled.items()
-                   if k[0][0] == "null" and isinstance(k[1], engine.Program)
-                   and k[1].schedule == "packed" and k[1].capacity == 128)
+    program = next(exe for k, exe in Engine.of(n).executables().items()
+                   if k[0] == "decode" and k[1].schedule == "packed" and k[1].capacity == 128)
     assert " dot(" not in program.as_text()  # no matmul: the forward computes nothing
 
 

@@ -14,11 +14,11 @@ import jax
 import numpy as np
 import pytest
 
-from benchmarks.synthetic_checkpoint import model_config
+import packed_ss_jax as ps
 from packed_ss_jax import cache as cache_lib
-from packed_ss_jax import engine, families
 from packed_ss_jax import model as model_lib
 from packed_ss_jax.model import Model
+from tools.synthetic_checkpoint import model_config
 from hlo import body_results, hlo_dtype, loop_state, rebuilt
 
 B = 32
@@ -36,10 +36,10 @@ def model():
 
 @pytest.fixture(scope="module", params=["packed", "ar"])
 def program(request, model):
-    family = families.of(model.config)
-    req = engine.prepare(model, family, [1], schedule=request.param, width=B,
-                         cache_size=CAPACITY, max_new_tokens=1)
-    exe = engine.lower(model, family, req).compile()
+    engine = ps.Engine(model)
+    req = engine.request([1], ps.DecodeOptions(schedule=request.param, block_size=B,
+                                               cache_size=CAPACITY, max_new_tokens=1))
+    exe = engine.lower(req).compile()
     return request.param, exe, exe.as_text()
 
 

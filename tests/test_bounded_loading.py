@@ -22,13 +22,15 @@ import numpy as np
 import pytest
 
 import packed_ss_jax as ps
-from benchmarks import synthetic_checkpoint as synthetic
 from packed_ss_jax import loading
-from packed_ss_jax.checkpoints import marker, nemotron, store
+from packed_ss_jax.checkpoints import marker, restoring, store
 from packed_ss_jax.checkpoints.assemble import Progress
+from packed_ss_jax.checkpoints.errors import CheckpointError
 from packed_ss_jax.checkpoints.safetensors_io import SafetensorsDir
 from packed_ss_jax.config import ModelConfig
+from packed_ss_jax.nemotron import checkpoint as nemotron
 from packed_ss_jax.training import export
+from tools import synthetic_checkpoint as synthetic
 
 LAYERS = 4
 
@@ -111,10 +113,10 @@ def test_converted_params_are_stored_and_read_per_layer(converted, monkeypatch):
     assert meta["version"] == marker.VERSION == 3
     # The marker speaks the stored layout; params/ holds one array per layer weight.
     assert meta["arrays"]["layers/mlp/up_proj"]["shape"] == [LAYERS, 256, 768]
-    names = marker.array_names(store._metadata(converted / "params"))
+    names = marker.array_names(restoring._metadata(converted / "params"))
     assert "layer_3/mlp/up_proj" in names and not any(n.startswith("layers/") for n in names)
     reads, refs, late = [], [], []
-    real_read = store._read
+    real_read = restoring._read
 
     def read(params_dir, item):
         # While group k is read, group k-1 may still be hashed: nothing older is alive.
@@ -124,7 +126,7 @@ def test_converted_params_are_stored_and_read_per_layer(converted, monkeypatch):
         refs.append([(n, weakref.ref(a)) for n, a in got.items()])
         return got
 
-    monkeypatch.setattr(store, "_read", read)
+    monkeypatch.setattr(restoring, "_read", read)
     # A device array may adopt its host array (on the CPU, when aligned) and so keep it
     # alive: copy first, so that whatever stays alive is held by the reader.
     real_put = jax.device_put
@@ -210,25 +212,21 @@ def test_progress_reports_bytes_elapsed_and_rate(capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_version_2_stacked_output_still_loads(converted, tmp_path):
-    """Outputs of the previous version hold params/ stacked over the layers; they load
-    (one stacked array at a time), with their checksums verified."""
+def test_stacked_params_are_refused(converted, tmp_path):
+    """params/ stacked over the layers (`layers/...`) is the layout of an earlier format:
+    a version-3 marker over it is refused before any array is read, naming the arrays."""
     import orbax.checkpoint as ocp
 
     good = ps.load(converted, dtype="bfloat16")
-    old = tmp_path / "v2"
+    old = tmp_path / "stacked"
     old.mkdir()
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(old / "params", jax.tree.map(np.asarray, good.stored_params))
     checkpointer.wait_until_finished()
+    (old / "config.json").write_bytes((converted / "config.json").read_bytes())
     meta = json.loads((converted / store.MARKER).read_text())
-    meta.update(version=2, files=store._walk(old))
-    del meta["checksums"], meta["sizes"]  # added after version 2
+    del meta["sizes"]  # of the per-layer files
     (old / store.MARKER).write_text(json.dumps(meta))
-    assert any(n.startswith("layers/") for n in marker.array_names(store._metadata(old / "params")))
-    with pytest.warns(UserWarning, match="records no checksum"):
-        m = ps.load(old, dtype="bfloat16")
-    assert "layers" not in m.params
-    for a, b in zip(jax.tree.leaves(m.params), jax.tree.leaves(good.params)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert store.replace_refusal(old) is None
+    with pytest.raises(CheckpointError, match=r"params/ holds arrays stacked over the layers "
+                                              r"\(.*layers/mlp/up_proj.*\).*convert again"):
+        ps.load(old, dtype="bfloat16")

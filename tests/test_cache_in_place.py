@@ -9,8 +9,8 @@ buffer to float32 and back moved the whole cache twice per layer and step.)
 
 import pytest
 
+import packed_ss_jax as ps
 from packed_ss_jax import cache as cache_lib
-from packed_ss_jax import engine, families
 from packed_ss_jax import model as model_lib
 from packed_ss_jax.sampling import Sampler
 from hlo import body_results, hlo_dtype, loop_state, rebuilt
@@ -22,16 +22,25 @@ CAPACITY = 96
 BF16_CAPACITY = model_lib.LIVE_MIN_SLOTS
 
 
-def compiled(m, prompt, **options):
-    """The compiled decode program of a request, and the cache slots it holds: capacity
-    plus the headroom its family keeps (Nemotron: one block, B = 1 for AR, see cache.py;
-    SetDLM: 2W + 2, see setdlm/program.py)."""
-    family = families.of(m.config)
-    request = engine.prepare(m, family, prompt, **options)
-    exe, _ = engine.compiled(m, family, request)
-    p = request.program
-    slots = p.capacity + (p.width if family.width_counts_x else 2 * p.width + 2)
-    return exe.as_text(), slots
+def _options(engine, width, **options) -> ps.DecodeOptions:
+    return ps.DecodeOptions(**{engine.family.width_name: width}, **options)
+
+
+def _slots(family, p) -> int:
+    """The cache slots a program holds: capacity plus the headroom its family keeps
+    (Nemotron: one block, B = 1 for AR, see cache.py; SetDLM: 2W + 2, see
+    setdlm/program.py)."""
+    return p.capacity + (p.width if family.width_counts_x else 2 * p.width + 2)
+
+
+def compiled(m, prompt, width, **options):
+    """The compiled decode program of a request (the one `decode` runs), and the cache
+    slots it holds."""
+    engine = ps.Engine.of(m)
+    request = engine.request(prompt, _options(engine, width, **options))
+    engine.decode(request)
+    return engine.executables()[("decode", request.program)].as_text(), _slots(
+        engine.family, request.program)
 
 
 @pytest.mark.parametrize("schedule", ["ar", "linear", "quadratic", "packed"])
@@ -102,13 +111,12 @@ def test_batched_loop_never_copies_the_cache(family):
 
     setup = SETUPS[family]
     m = setup["model"]()
-    f = families.of(m.config)
-    options = dict(setup["options"])
-    width = options.pop(f.width_name)
-    batch = engine.prepare_batch(m, f, setup["prompts"], seed=SEEDS, schedule="packed",
-                                 width=width, max_new_tokens=MAX_NEW, temperature=1.0, **options)
-    exe, _ = engine.compiled_batch(m, f, batch)
-    p = batch.program
-    slots = p.capacity + (p.width if f.width_counts_x else 2 * p.width + 2)
-    _check(exe.as_text(), m.config, slots, f"batched {family} packed",
-           batch=(len(batch.requests),))
+    engine = ps.Engine.of(m)
+    batch = engine.batch(setup["prompts"], ps.DecodeOptions(
+        schedule="packed", max_new_tokens=MAX_NEW, temperature=1.0, **setup["options"]),
+        seed=SEEDS)
+    engine.decode_batch(batch)
+    n = len(batch.members)
+    exe = engine.executables()[("batch", batch.program, n)]
+    _check(exe.as_text(), m.config, _slots(engine.family, batch.program),
+           f"batched {family} packed", batch=(n,))

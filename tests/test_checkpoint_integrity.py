@@ -2,9 +2,7 @@
 
 import json
 import shutil
-import warnings
 
-import jax
 import numpy as np
 import pytest
 
@@ -12,6 +10,7 @@ import packed_ss_jax as ps
 from packed_ss_jax.checkpoints import marker, store
 from packed_ss_jax.checkpoints.assemble import count_non_finite
 from packed_ss_jax.checkpoints.errors import CheckpointError
+from packed_ss_jax.checkpoints.store import DestinationError
 from packed_ss_jax.cli import convert_main
 from packed_ss_jax.config import ConfigError
 from checkpoint_copies import copy_checkpoint, snapshot
@@ -237,18 +236,33 @@ def test_params_directory_missing(converted, tmp_path):
         ps.load(out)
 
 
-def test_version_1_output_still_loads_and_is_replaceable(converted, nemotron_dir, tmp_path):
+@pytest.mark.parametrize("version", marker.EARLIER_VERSIONS)
+def test_earlier_format_is_refused_naming_the_version(converted, nemotron_dir, tmp_path, version):
+    """An output of a pre-release format (version 1: the config alone; version 2: params/
+    stacked, no config checksums) is not read: loading names the version found and asks
+    for `packed-ss convert` again, and --overwrite leaves it alone (this packed_ss_jax
+    cannot check what it holds)."""
     out = _copy(converted, tmp_path)
     meta = json.loads((out / store.MARKER).read_text())
-    v1 = {"format": meta["format"], "version": 1, "config": meta["config"]}
-    (out / store.MARKER).write_text(json.dumps(v1))
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        m = ps.load(out)
-    assert any("recorded no checksums" in str(x.message) for x in w)
-    good = ps.load(converted)
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(m.params),
-                                                    jax.tree.leaves(good.params)))
-    assert store.replace_refusal(out) is None
-    ps.convert(nemotron_dir, out, dtype="float32", overwrite=True, progress=False)
+    old = {"format": meta["format"], "version": version, "config": meta["config"]}
+    if version == 2:
+        old.update(arrays=meta["arrays"], files=meta["files"])
+    (out / store.MARKER).write_text(json.dumps(old))
+    with pytest.raises(marker.FormatVersionError) as e:
+        ps.load(out)
+    assert isinstance(e.value, CheckpointError) and e.value.version == version
+    assert str(e.value) == (
+        f"{out / store.MARKER}: format version {version}, written by a pre-release "
+        f"packed_ss_jax; this one reads only version {marker.VERSION}. Run `packed-ss convert` "
+        "on the original checkpoint again (into a new directory, or remove this one first)")
+    refusal = (f"{out} is a conversion in format version {version}, which this packed_ss_jax "
+               "no longer reads, so it is not replaced; remove it, then convert again")
+    assert store.replace_refusal(out) == refusal
+    before = snapshot(out)
+    with pytest.raises(DestinationError) as refused:
+        ps.convert(nemotron_dir, out, dtype="float32", overwrite=True, progress=False)
+    assert str(refused.value) == refusal
+    assert snapshot(out) == before
+    shutil.rmtree(out)
+    ps.convert(nemotron_dir, out, dtype="float32", progress=False)
     assert json.loads((out / store.MARKER).read_text())["version"] == marker.VERSION

@@ -1,13 +1,14 @@
-"""The decode loop in chunks (engine.Chunked: Loop.start, then Loop.resume k iterations at
-a time, the state donated between launches) returns `decode`'s tokens for every schedule
-of both families, greedy and sampled; the resumed program updates the cache in place."""
+"""The decode loop in chunks (Engine.stream: prefill, insert into a one-slot decode state,
+then generate k iterations at a time, the state donated between launches) returns
+`decode`'s tokens for every schedule of both families, greedy and sampled; the generate
+and insert programs update the cache in place."""
 
 import re
 
 import pytest
 
 import packed_ss_jax as ps
-from packed_ss_jax import engine, families
+from packed_ss_jax import families
 from hlo import body_results, rebuilt
 from test_setdlm_decode import tiny_setdlm
 from tiny import tiny_model
@@ -33,51 +34,58 @@ def _cases():
     return out
 
 
-def _request(m, schedule, temperature=0.0, order="ltr", **kw):
-    family = families.of(m.config)
-    return family, engine.prepare(m, family, PROMPT, schedule=schedule, order=order,
-                                  width=WIDTH[family.name],
-                                  temperature=temperature, seed=7, max_new_tokens=LENGTH,
-                                  cache_size=CACHE, **kw)
+def _request(engine, schedule, temperature=0.0, order="ltr", **kw):
+    family = engine.family
+    options = ps.DecodeOptions(schedule=schedule, order=order, temperature=temperature,
+                               max_new_tokens=LENGTH, cache_size=CACHE,
+                               **{family.width_name: WIDTH[family.name]}, **kw)
+    return engine.request(PROMPT, options, seed=7)
 
 
 @pytest.mark.parametrize("family,schedule,temperature,order", _cases())
 def test_chunks_are_the_one_shot_decode(family, schedule, temperature, order):
-    m = MODELS[family]()
-    fam, request = _request(m, schedule, temperature, order, eos_id=None)
-    want = engine.run(m, fam, request)
+    engine = ps.Engine.of(MODELS[family]())
+    request = _request(engine, schedule, temperature, order, eos_id=None)
+    want = engine.decode(request)
     for k in (1, 5):
-        chunked = engine.Chunked(m, fam, request, k)
-        pieces = list(chunked)
-        got = chunked.result()
+        streaming = engine.stream(request, k)
+        pieces = list(streaming)
+        got = streaming.result()
         assert [t for p in pieces for t in p] == want.tokens, (k, pieces)
         assert got.tokens == want.tokens
         assert (got.nfe, got.iterations) == (want.nfe, want.iterations)
         assert (got.accept_hist == want.accept_hist).all()
+        assert got.finish_reason == want.finish_reason
         if k == 1 and want.iterations > 2:
             assert len(pieces) > 2  # it did stream: several launches gave tokens
 
 
 @pytest.mark.parametrize("family", ["nemotron", "setdlm"])
-def test_resume_donates_the_state_and_keeps_the_cache_in_place(family):
+def test_generate_donates_the_state_and_keeps_the_cache_in_place(family):
     m = MODELS[family]()
-    fam, request = _request(m, "packed", eos_id=None)
-    (_, resume, _), _ = engine.chunk_programs(m, fam, request)
-    hlo = resume.as_text()
-    # Every cache layer buffer is an input aliased to an output (donated, reused).
+    engine = ps.Engine(m)  # its programs: this stream's alone
+    request = _request(engine, "packed", eos_id=None)
+    list(engine.stream(request, 4))
+    programs = engine.executables()
+    (generate,) = [e for k, e in programs.items() if k[0] == "generate"]
+    (insert,) = [e for k, e in programs.items() if k[0] == "insert"]
+    fam = engine.family
     c = m.config
     p = request.program
     slots = p.capacity + (p.width if fam.width_counts_x else 2 * p.width + 2)
-    shape = (c.num_kv_heads, slots, c.head_dim)
-    layout = re.search(r"entry_computation_layout=\{\((.*?)\)->", hlo).group(1)
-    params = [tuple(int(d) for d in dims.split(",") if d)
-              for dims in re.findall(r"\w+\[([0-9,]*)\]", layout)]
-    cache_params = {i for i, dims in enumerate(params) if dims == shape}
-    assert len(cache_params) == 2 * c.num_layers  # K and V of every layer
-    aliases = re.search(r"input_output_alias=\{(.*?)\s\}", hlo)
-    aliased = set() if aliases is None else {
-        int(i) for i in re.findall(r"\((\d+), \{\}, may-alias\)", aliases.group(1))}
-    # Every cache buffer is donated: the output state is written into it.
-    assert cache_params <= aliased, "resume does not reuse the donated cache buffers"
+    shape = (1, c.num_kv_heads, slots, c.head_dim)  # a state of one slot
+    for name, exe in (("generate", generate), ("insert", insert)):
+        hlo = exe.as_text()
+        # Every cache layer buffer is an input aliased to an output (donated, reused).
+        layout = re.search(r"entry_computation_layout=\{\((.*?)\)->", hlo).group(1)
+        params = [tuple(int(d) for d in dims.split(",") if d)
+                  for dims in re.findall(r"\w+\[([0-9,]*)\]", layout)]
+        cache_params = {i for i, dims in enumerate(params) if dims == shape}
+        assert len(cache_params) == 2 * c.num_layers, name  # K and V of every layer
+        aliases = re.search(r"input_output_alias=\{(.*?)\s\}", hlo)
+        aliased = set() if aliases is None else {
+            int(i) for i in re.findall(r"\((\d+), \{\}, may-alias\)", aliases.group(1))}
+        # Every cache buffer is donated: the output state is written into it.
+        assert cache_params <= aliased, f"{name} does not reuse the donated cache buffers"
     # And the loop never copies, converts or rewrites a whole cache layer.
-    assert rebuilt(body_results(hlo), shape) == []
+    assert rebuilt(body_results(generate.as_text()), shape) == []

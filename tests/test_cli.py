@@ -11,7 +11,8 @@ import signal
 import pytest
 
 import packed_ss_jax as ps
-from packed_ss_jax import cli, engine, loading
+from packed_ss_jax import cli, loading
+import compiles
 
 
 class Hang(BaseException):
@@ -190,6 +191,7 @@ def _argv(template: list[str], files) -> list[str]:
 def _failures(command: str, files, capsys, monkeypatch) -> list[str]:
     """Runs every case of `command`; returns how each one that misbehaves misbehaves."""
     wrong = []
+    programs = compiles.record(monkeypatch)
     for name, (template, may_load) in CASES.items():
         if template[0] != command:
             continue
@@ -201,7 +203,7 @@ def _failures(command: str, files, capsys, monkeypatch) -> list[str]:
 
                 m.setattr(loading, "load", refuse)
                 m.setattr(ps, "load", refuse)
-            compiled = len(engine._compiled)
+            compiled = len(programs)
             try:
                 with deadline(120):
                     rc = cli.main(_argv(template, files))
@@ -214,7 +216,7 @@ def _failures(command: str, files, capsys, monkeypatch) -> list[str]:
         if rc != 2 or len(lines) != 1 or not lines[0].startswith(f"packed-ss {command}: error: ") \
                 or "Traceback" in err + out:
             wrong.append(f"{name}: status {rc}, stderr {err!r}")
-        elif len(engine._compiled) != compiled:
+        elif len(programs) != compiled:
             wrong.append(f"{name}: compiled a program before refusing")
     if any(p.name.startswith("out") for p in files["root"].iterdir()):
         wrong.append("an output was written")

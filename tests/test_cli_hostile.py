@@ -24,7 +24,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from packed_ss_jax import arguments, cli, compile_cache, engine, loading
+from packed_ss_jax import arguments, cli, compile_cache, loading
+import compiles
 
 ROOT = Path(__file__).resolve().parents[1]
 HUGE = str(2**70)
@@ -178,17 +179,17 @@ def test_hostile_arguments_are_one_line_before_any_work(name, no_load, capsys):
     assert problem is None, problem
 
 
-def test_hostile_values_the_model_judges_are_one_line(capsys):
+def test_hostile_values_the_model_judges_are_one_line(capsys, monkeypatch):
     """Values only the loaded model can judge (the cache, the vocabulary): one line, and
     nothing compiled."""
-    compiled = len(engine._compiled)
+    compiled = compiles.record(monkeypatch)
     for argv in (["hi", "--max-new-tokens", HUGE], ["hi", "--block-size", HUGE],
                  ["--ids", f"1,{2**31 - 1}"], ["hi", "--model", ""], ["hi", "--tokenizer", ""],
                  ["hi", "--order", ""]):
         rc = cli.main(["generate", *argv])
         problem = _one_line(rc, capsys.readouterr().err)
         assert problem is None, (argv, problem)
-    assert len(engine._compiled) == compiled
+    assert compiled == []
 
 
 def test_tiniest_top_p_decodes(capsys):

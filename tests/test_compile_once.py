@@ -1,10 +1,14 @@
-"""One compile per (schedule, block size, bucket): counts, lengths and EOS are traced."""
+"""One compile per (schedule, block size, bucket): counts, lengths and EOS are traced, and
+so are the sampling values (temperature, top-p): one sampled program serves them all."""
 
 import jax
+import numpy as np
 import pytest
 
 import packed_ss_jax as ps
-from packed_ss_jax import engine
+from packed_ss_jax import options
+from packed_ss_jax.engine import to_host
+from test_setdlm_decode import tiny_setdlm
 from tiny import tiny_model
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
@@ -23,29 +27,88 @@ def compiles(no_compile_cache):
     jax.monitoring.unregister_event_duration_listener(listener)
 
 
+def _decodes(engine) -> list:
+    """The engine's compiled one-shot decode programs."""
+    return [k[1] for k in engine.executables() if k[0] == "decode"]
+
+
 @pytest.mark.parametrize("schedule", ["ar", "linear", "quadratic", "packed"])
 def test_second_decode_does_not_recompile(schedule, compiles):
     model = tiny_model(0)
-    engine.clear_cache()
-    first = ps.decode(model, [1, 2, 3], schedule=schedule, block_size=3, max_new_tokens=9)
+    engine = ps.Engine(model)  # a fresh engine: nothing compiled yet
+    first = engine.decode(engine.request([1, 2, 3], ps.DecodeOptions(
+        schedule=schedule, block_size=3, max_new_tokens=9)))
     assert first.compile_s > 0
     assert len(compiles) >= 1
     compiles.clear()
-    # Another prompt in the same bucket (<= 16 tokens), another length, another EOS,
-    # other weights of the same config.
-    other = tiny_model(1)
-    r = ps.decode(other, [4, 5, 6, 7, 8, 9, 1, 2], schedule=schedule, block_size=3,
-                  max_new_tokens=23, eos_id=4)
+    # Another prompt in the same bucket (<= 16 tokens), another length, another EOS.
+    request = engine.request([4, 5, 6, 7, 8, 9, 1, 2], ps.DecodeOptions(
+        schedule=schedule, block_size=3, max_new_tokens=23, eos_id=4))
+    r = engine.decode(request)
     assert r.compile_s == 0.0
     assert compiles == []
-    assert len(engine._compiled) == 1
+    assert list(engine.executables()) == [("decode", request.program)]
+    # Other weights of the same config: the compiled program takes the params as an
+    # argument, so it runs them as it is, and gives their own decode.
+    other = tiny_model(1)
+    exe = engine.executables()[("decode", request.program)]
+    out = to_host(exe(other.params, *request.args()))
+    assert compiles == []
+    want = ps.Engine(other).decode(request)
+    assert np.asarray(out["tokens"])[: int(out["n_tokens"])].tolist() == want.tokens
+    assert int(out["nfe"]) == want.nfe
 
 
 def test_new_bucket_compiles_once(compiles):
     model = tiny_model(0)
-    engine.clear_cache()
+    engine = ps.Engine.of(model)
     ps.decode(model, list(range(1, 10)), schedule="packed", block_size=3, max_new_tokens=5)
     ps.decode(model, list(range(1, 11)) * 2, schedule="packed", block_size=3, max_new_tokens=5)
     ps.decode(model, list(range(1, 11)) * 3, schedule="packed", block_size=3, max_new_tokens=7)
-    assert len(engine._compiled) == 2  # buckets 16 and 32
-    assert engine.bucket_for(20, 256) == engine.bucket_for(30, 256) == 32
+    assert sorted(p.bucket for p in _decodes(engine)) == [16, 32]
+    assert len(engine.executables()) == 2
+    assert options.bucket_for(20, 256) == options.bucket_for(30, 256) == 32
+
+
+# Ten temperatures, each with its own top-p (all below 1, so every one truncates).
+TEMPERATURES = [0.05, 0.2, 0.4, 0.6, 0.8, 1.0, 1.5, 2.0, 4.0, 10.0]
+TOP_PS = [0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95]
+SAMPLED = {"nemotron": (lambda: tiny_model(0), dict(block_size=4), [1, 5, 7, 9, 2]),
+           "setdlm": (lambda: tiny_setdlm(0), dict(window=3), [3, 4, 5, 6])}
+
+
+@pytest.mark.parametrize("family", sorted(SAMPLED))
+def test_temperature_and_top_p_share_one_sampled_program(family, compiles):
+    """Ten temperatures and top-p values of one schedule and shape: one sampled decode
+    program compiled for them all (they are traced), and one greedy program; the values
+    reach the program (the outputs differ across temperatures)."""
+    make, width, prompt = SAMPLED[family]
+    model = make()
+    engine = ps.Engine(model)  # a fresh engine: its executables are this test's compiles
+    base = dict(schedule="packed", max_new_tokens=24, eos_id=None, cache_size=64, **width)
+    outputs, compiled = [], []
+    for t, p in zip(TEMPERATURES, TOP_PS):
+        before = len(compiles)
+        r = engine.decode(engine.request(prompt, ps.DecodeOptions(
+            temperature=t, top_p=p, **base), seed=5))
+        outputs.append(tuple(r.tokens))
+        compiled.append((r.compile_s > 0, len(compiles) > before))
+    # The first decode compiled; the nine others compiled nothing.
+    assert compiled == [(True, True)] + [(False, False)] * 9, compiled
+    sampled = _decodes(engine)
+    assert len(sampled) == 1 and not sampled[0].sampling.greedy and sampled[0].sampling.nucleus
+    # The values reach the program: a different output at different temperatures.
+    assert len(set(outputs)) >= 5, outputs
+    # The same value again gives the same output (nothing random but the seed).
+    again = engine.decode(engine.request(prompt, ps.DecodeOptions(
+        temperature=TEMPERATURES[3], top_p=TOP_PS[3], **base), seed=5))
+    assert tuple(again.tokens) == outputs[3] and again.compile_s == 0.0
+    # Greedy (temperature 0, with or without top-p): one more program, for both.
+    greedy = [engine.decode(engine.request(prompt, ps.DecodeOptions(top_p=p, **base)))
+              for p in (None, 0.5, 0.9)]
+    assert len({tuple(g.tokens) for g in greedy}) == 1
+    # The smallest temperature samples the greedy tokens, the largest does not.
+    assert outputs[0] == tuple(greedy[0].tokens) != outputs[-1]
+    programs = _decodes(engine)
+    assert len(programs) == 2 and sum(p.sampling.greedy for p in programs) == 1
+    assert len(engine.executables()) == 2

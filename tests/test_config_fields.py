@@ -8,7 +8,7 @@ import json
 import pytest
 
 import packed_ss_jax as ps
-from packed_ss_jax.checkpoints import nemotron
+from packed_ss_jax.nemotron import checkpoint as nemotron
 from packed_ss_jax.checkpoints.errors import CheckpointError
 from packed_ss_jax.config import ConfigError, ModelConfig, read_hf_config
 from packed_ss_jax.families import parse_hf_config as from_hf_config

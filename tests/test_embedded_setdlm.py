@@ -10,7 +10,7 @@ import pytest
 from safetensors import safe_open
 
 import packed_ss_jax as ps
-from packed_ss_jax.checkpoints import setdlm as setdlm_ckpt
+from packed_ss_jax.setdlm import checkpoint as setdlm_ckpt
 from packed_ss_jax.api import decode
 from packed_ss_jax.training import corpus
 
@@ -30,7 +30,7 @@ def model():
 def test_release_layout(model):
     files = {p.name for p in SETDLM_TINY.iterdir()}
     assert files == {"config.json", "model.safetensors", "tokenizer.json", "training.json",
-                     "tokenizer_config.json", "chat_template.jinja"}
+                     "tokenizer_config.json", "chat_template.jinja", "README.md"}  # + model card
     assert sum(p.stat().st_size for p in SETDLM_TINY.iterdir()) <= 20 * 2 ** 20
     cfg = json.loads((SETDLM_TINY / "config.json").read_text())
     assert cfg["model_type"] == "bd3lm" and cfg["architectures"] == ["SetDLM"]

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import packed_ss_jax as ps
-from packed_ss_jax import continuous, engine, memory, requests, sampling
+from packed_ss_jax import continuous, memory, requests, sampling
 from packed_ss_jax.requests import INT32_MAX, MAX_CACHE, SEED_LIMIT, InputError
 from packed_ss_jax.sampling import Sampler
 from tiny import tiny_config
@@ -53,14 +53,19 @@ HUGE = [2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**63, 2**64, 2**70, -2**63 - 1, -2*
 @contextlib.contextmanager
 def dry():
     """decode, stream and decode_continuous check their arguments and return what they
-    would run (a Request, a Batch, (Batch, slots, every)) instead of compiling it."""
+    would run (a Request, a Batch, (Batch, slots, every); stream: its chunks, which compile
+    nothing until the first is asked for) instead of compiling it."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(engine, "run", lambda model, family, request: request)
-        mp.setattr(engine, "run_batch", lambda model, family, batch: batch)
+        mp.setattr(ps.Engine, "decode", lambda engine, request: request)
+        mp.setattr(ps.Engine, "decode_batch", lambda engine, batch: batch)
         mp.setattr(continuous, "decode_queue",
-                   lambda model, family, batch, slots, every: (batch, slots, every))
-        mp.setattr(engine, "chunk_programs", lambda model, family, request: ((None,) * 3, 0.0))
+                   lambda engine, batch, slots, every: (batch, slots, every))
+        mp.setattr(ps.Engine, "compile", _no_compile)
         yield
+
+
+def _no_compile(engine, key, *args, **kwargs):
+    raise AssertionError(f"a dry call compiled {key[0]!r}")
 
 
 def call(entry: str, family: str, prompt=PROMPT, **kw):
@@ -218,9 +223,9 @@ def _continuous(prompts):
 
 def test_a_queue_may_be_any_iterable_read_once():
     batch, slots, _ = _continuous(p for p in ([1, 2], [3]))
-    assert [r.prompt.tolist() for r in batch.requests] == [[1, 2], [3]] and slots == 2
+    assert [r.prompt.tolist() for r in batch.members] == [[1, 2], [3]] and slots == 2
     batch, _, _ = _continuous(np.array([[1, 2], [3, 4]]))
-    assert len(batch.requests) == 2
+    assert len(batch.members) == 2
 
 
 @pytest.mark.parametrize("prompt", [{"a", "b"}, {"a": 1}, (p for p in ["a", "b"]),
@@ -241,7 +246,7 @@ def test_stop_sequences_read_once():
         b = ps.decode(m, "Hi", max_new_tokens=4, stop_sequences=iter(markers))
         c = ps.decode(m, "Hi", max_new_tokens=4, stop_sequences=(s for s in markers))
         d = ps.decode_continuous(m, ["Hi"], max_new_tokens=4,
-                                 stop_sequences=(s for s in markers))[0].requests[0]
+                                 stop_sequences=(s for s in markers))[0].members[0]
     for r in (b, c, d):
         assert r.stop_texts == a.stop_texts == ("ab",)
         for name in a.limits:

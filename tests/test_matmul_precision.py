@@ -4,14 +4,13 @@ import jax
 import pytest
 
 import packed_ss_jax as ps
-from packed_ss_jax import engine, families
 from packed_ss_jax.config import ConfigError
 
 
 def _dot_precisions(model):
-    family = families.of(model.config)
-    request = engine.prepare(model, family, [5, 6, 7], schedule="ar", max_new_tokens=4)
-    text = engine.lower(model, family, request).as_text()
+    engine = ps.Engine.of(model)
+    request = engine.request([5, 6, 7], ps.DecodeOptions(schedule="ar", max_new_tokens=4))
+    text = engine.lower(request).as_text()
     return {line.split("precision = [")[1].split("]")[0] if "precision = [" in line else None
             for line in text.splitlines() if "stablehlo.dot_general" in line}
 

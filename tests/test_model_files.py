@@ -26,11 +26,13 @@ from hypothesis import strategies as st
 import packed_ss_jax as ps
 from packed_ss_jax import families, rope
 from packed_ss_jax import model as model_lib
-from packed_ss_jax.checkpoints import nemotron, store
+from packed_ss_jax.checkpoints import store
+from packed_ss_jax.checkpoints.orbax_noise import OrbaxNoise
 from packed_ss_jax.checkpoints.errors import CheckpointError
 from packed_ss_jax.cli import generate_main
 from packed_ss_jax.config import (FLOAT_MAX, FLOAT_TINY, INT_MAX, MATMUL_PRECISION_NAMES,
                                   MIN_BLOCK, ConfigError, ModelConfig, read_hf_config)
+from packed_ss_jax.nemotron import checkpoint as nemotron
 
 REFUSED = (ConfigError, CheckpointError)
 NAN, INF = float("nan"), float("inf")
@@ -539,7 +541,7 @@ def test_late_callbacks_after_a_failed_read_are_not_printed(capfd, plain_unraisa
     capfd.readouterr()
     hook = sys.unraisablehook
     with pytest.raises(CheckpointError):
-        with store._OrbaxNoise():
+        with OrbaxNoise():
             timer = _late_callback_to_a_closed_loop(0.05)
             raise CheckpointError("a read failed")
     timer.join()

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import packed_ss_jax as ps
-from packed_ss_jax import Model, engine, sampling
+from packed_ss_jax import Model, results, sampling
 from packed_ss_jax import NonFiniteError
 from packed_ss_jax.reductions import first_argmax
 from packed_ss_jax.sampling import Sampler, StoredQ
@@ -284,10 +284,10 @@ def test_nemotron_broken_drafter_raises_in_speculative_schedules():
 
 
 def test_check_finite_reports_the_first_stopped_sample():
-    engine.check_finite(np.int32(-1), 3, np.arange(5))  # finite: nothing to say
-    engine.check_finite(np.full(4, -1), np.ones(4), np.zeros((4, 5)))
+    results.check_finite(np.int32(-1), 3, np.arange(5))  # finite: nothing to say
+    results.check_finite(np.full(4, -1), np.ones(4), np.zeros((4, 5)))
     with pytest.raises(NonFiniteError, match="iteration 7, at generated position 2") as e:
-        engine.check_finite(np.array([-1, 2, 0]), np.array([9, 7, 1]),
+        results.check_finite(np.array([-1, 2, 0]), np.array([9, 7, 1]),
                             np.array([[1, 2, 3], [4, 5, 6], [7, 8, 9]]))
     assert e.value.tokens == [4, 5]
     again = pickle.loads(pickle.dumps(e.value))

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import packed_ss_jax as ps
-from packed_ss_jax import Model, ModelConfig, engine, families
+from packed_ss_jax import Model, ModelConfig
+from packed_ss_jax.sampling import Sampling
 from tiny import tiny_config
 
 # Argument checks come before any computation, so most cases need no weights at all.
@@ -130,11 +131,12 @@ def test_bad_stop_sequences():
     ("setdlm", dict(cache_size="64"), "cache_size must be an integer"),
 ])
 def test_blocks_that_cannot_fit_the_cache(family, kw, match):
-    """Refused before anything is compiled (the compile cache does not grow)."""
-    before = len(engine._compiled)
+    """Refused before anything is compiled (the model's engine compiles nothing)."""
+    engine = ps.Engine.of(NEMOTRON if family == "nemotron" else SETDLM)
+    before = len(engine.executables())
     with pytest.raises(ValueError, match=match):
         _decode(family, **kw)
-    assert len(engine._compiled) == before
+    assert len(engine.executables()) == before
 
 
 def test_eos_outside_the_vocabulary_from_the_config_is_explained():
@@ -149,22 +151,31 @@ def test_numpy_arguments_prepare_the_same_request(family):
     NumPy vs Python scalars, and are made of Python values, so it is one program."""
     model = {"nemotron": NEMOTRON, "setdlm": SETDLM}[family]
     width = {"nemotron": 4, "setdlm": 3}[family]
-    py = dict(schedule="packed", width=width, max_new_tokens=5, eos_id=1, cache_size=32,
-              seed=3, temperature=0.5, top_k=3, top_p=0.75)
-    npy = dict(py, width=np.int64(width), max_new_tokens=np.int32(5), eos_id=np.int64(1),
-               cache_size=np.int32(32), seed=np.uint32(3), temperature=np.float32(0.5),
-               top_k=np.int64(3), top_p=np.float32(0.75))
+    width_name = {"nemotron": "block_size", "setdlm": "window"}[family]
+    py = dict(schedule="packed", max_new_tokens=5, eos_id=1, cache_size=32,
+              temperature=0.5, top_k=3, top_p=0.75, **{width_name: width})
+    npy = dict(py, max_new_tokens=np.int32(5), eos_id=np.int64(1),
+               cache_size=np.int32(32), temperature=np.float32(0.5),
+               top_k=np.int64(3), top_p=np.float32(0.75), **{width_name: np.int64(width)})
     if family == "setdlm":
         py["stop_sequences"] = [[2, 3], 4]
         npy["stop_sequences"] = [np.array([2, 3], np.int32), np.int64(4)]
-    fam = families.of(model.config)
-    a = engine.prepare(model, fam, PROMPT, **py)
-    b = engine.prepare(model, fam, np.asarray(PROMPT, np.int64), **npy)
+    engine = ps.Engine.of(model)
+    a = engine.request(PROMPT, ps.DecodeOptions(**py), seed=3)
+    b = engine.request(np.asarray(PROMPT, np.int64), ps.DecodeOptions(**npy), seed=np.uint32(3))
     assert a.program == b.program and hash(a.program) == hash(b.program)
     p = b.program
     assert all(type(v) is int for v in (p.width, p.bucket, p.capacity, b.seed, b.max_new))
-    s = p.sampler
-    assert (type(s.temperature), type(s.top_k), type(s.top_p)) == (float, int, float)
+    s = p.sampling
+    assert s == Sampling(greedy=False, top_k=3, nucleus=True)
+    assert (type(s.greedy), type(s.top_k), type(s.nucleus)) == (bool, int, bool)
     np.testing.assert_array_equal(a.prompt, b.prompt)
+    assert a.limits.keys() == b.limits.keys()
     for name in a.limits:
         np.testing.assert_array_equal(a.limits[name], b.limits[name])
+        # The traced arguments have one dtype and shape (one program's arguments).
+        assert np.asarray(a.limits[name]).dtype == np.asarray(b.limits[name]).dtype
+        assert np.shape(a.limits[name]) == np.shape(b.limits[name])
+    # The sampling values are traced, as float32 (the value the program holds).
+    assert (a.limits["temperature"], a.limits["top_p"]) == (np.float32(0.5), np.float32(0.75))
+    assert a.limits["temperature"].dtype == a.limits["top_p"].dtype == np.float32

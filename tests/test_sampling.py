@@ -13,12 +13,14 @@ the same test.
 
 import itertools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from scipy import stats
 
 import packed_ss_jax as ps
-from packed_ss_jax import engine, families, sampling
+from packed_ss_jax import results, sampling
 from packed_ss_jax.sampling import Sampler
 from tiny import tiny_model
 
@@ -82,13 +84,26 @@ def draw(schedule, s: Sampler, eos=None, seed0=SEED0):
     return _DRAWN[key]
 
 
+def sample_many(model, prompt, seeds, **options):
+    """Many independent samples of one request in one call: the decode (`decoder`, traced
+    anew, so it reads the sampling rules as they are now) vmapped over the seeds; row i is
+    what `decode(model, prompt, seed=seeds[i], **options)` gives. Returns tokens [N, C],
+    lengths [N] and NFE [N]; NonFiniteError as `decode` raises it if any sample met NaN/Inf
+    logits."""
+    fn = ps.decoder(model, **options)
+    keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray(seeds, jnp.uint32))
+    many = jax.jit(jax.vmap(fn, in_axes=(None, None, None, 0)))
+    tokens, n, stats = jax.device_get(many(model.params, np.asarray(prompt, np.int32),
+                                           np.int32(len(prompt)), keys))
+    results.check_finite(stats["nonfinite_at"], stats["iterations"], tokens)
+    return np.asarray(tokens), np.asarray(n), np.asarray(stats["nfe"])
+
+
 def _draw(schedule, s: Sampler, eos, seed0):
-    family = families.of(MODEL.config)
-    request = engine.prepare(MODEL, family, PROMPT, schedule=schedule, width=B, max_new_tokens=L,
-                             eos_id=eos, cache_size=CAPACITY, temperature=s.temperature,
-                             top_k=s.top_k, top_p=s.top_p)
-    toks, n, nfe = engine.run_many(MODEL, family, request, seed0 + np.arange(N))
-    return [tuple(row[:k]) for row, k in zip(toks, n)]
+    toks, n, _ = sample_many(MODEL, PROMPT, seed0 + np.arange(N), schedule=schedule,
+                             block_size=B, max_new_tokens=L, eos_id=eos, cache_size=CAPACITY,
+                             temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+    return [tuple(row[:k]) for row, k in zip(toks.tolist(), n.tolist())]
 
 
 def chi_square(samples, law):
@@ -147,11 +162,8 @@ def test_wrong_rules_are_caught(laws, monkeypatch, broken):
         monkeypatch.setattr(sampling, "accept_ratio", lambda p_d, q_d: 1.0 + 0.0 * p_d)
     else:
         monkeypatch.setattr(sampling, "residual", lambda p_row, q_row: p_row)
-    engine.clear_cache()  # retrace with the broken rule
-    try:
-        p = chi_square(draw("packed", SETTINGS["T=1"][0]), laws["T=1"])
-    finally:
-        engine.clear_cache()
+    # `draw` traces the decode anew (its memo is keyed on the rules): it runs the broken one
+    p = chi_square(draw("packed", SETTINGS["T=1"][0]), laws["T=1"])
     print(f"negative control {broken}: p-value {p:.3g}")
     assert p < ALPHA
 
@@ -192,10 +204,11 @@ def test_seed_reproduces_and_batch_matches_single(laws):
         again = ps.decode(MODEL, PROMPT, schedule="packed", block_size=B, max_new_tokens=L,
                           eos_id=None, temperature=1.0, seed=int(seeds[i]), cache_size=CAPACITY)
         assert tuple(one.tokens) == batch[i] == tuple(again.tokens)
-    engine.clear_cache()  # recompiling changes nothing
-    three = ps.decode(MODEL, PROMPT, schedule="packed", block_size=B, max_new_tokens=L,
-                      eos_id=None, temperature=1.0, seed=int(seeds[0]), cache_size=CAPACITY)
-    assert tuple(three.tokens) == batch[0]
+    engine = ps.Engine(MODEL)  # a new engine compiles anew: recompiling changes nothing
+    three = engine.decode(engine.request(PROMPT, ps.DecodeOptions(
+        schedule="packed", block_size=B, max_new_tokens=L, eos_id=None, temperature=1.0,
+        cache_size=CAPACITY), seed=int(seeds[0])))
+    assert three.compile_s > 0 and tuple(three.tokens) == batch[0]
     assert len(set(batch[:200])) > 20  # different seeds, different samples
 
 

@@ -1,18 +1,27 @@
 """`packed-ss serve` as a real process on 127.0.0.1, through the official `openai` client:
 completions and chat completions, streamed and not, give `decode`'s tokens; 32 concurrent
 requests all come back right; bad requests get a 4xx with an OpenAI-style error body; a
-client leaving mid-stream frees the decoder; SIGINT (Ctrl-C) stops the server cleanly."""
+client leaving mid-stream frees the decoder; SIGINT (Ctrl-C) stops the server cleanly.
+In process: a request is checked, its chat template rendered and its prompt tokenized
+once, and the decoder runs that checked request."""
 
 import concurrent.futures
+import contextlib
 import http.client
+import itertools
 import json
 import signal
+import threading
 import time
 
 import pytest
+import uvicorn
 
 import packed_ss_jax as ps
-from servers import request, running
+from packed_ss_jax import api, chat, options
+from packed_ss_jax.model import Model
+from packed_ss_jax.server import bind, create_app
+from servers import events, request, running
 
 openai = pytest.importorskip("openai")
 
@@ -167,6 +176,93 @@ def test_a_client_leaving_mid_stream_frees_the_decoder(server, client):
     r = client.completions.create(model="nld-tiny", prompt=_question(2), max_tokens=MAX_TOKENS,
                                   temperature=0)
     assert r.choices[0].text == _decode(prompt=_question(2)).text
+
+
+class _CountingTokenizer:
+    """The model's tokenizer, recording the texts it encodes (every tokenization in the
+    package goes through `encode_batch`)."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer, self.texts = tokenizer, []
+
+    def encode_batch(self, texts, **kwargs):
+        self.texts += list(texts)
+        return self._tokenizer.encode_batch(texts, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+@contextlib.contextmanager
+def _in_process(model):
+    """`create_app(model)` served by uvicorn on a thread of this process (so that the
+    test's wrappers see the server's calls); its base URL."""
+    sock = bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(create_app(model, "nld-tiny"), lifespan="on",
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the app did not start"
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+def test_a_request_is_checked_rendered_and_tokenized_once(monkeypatch):
+    tokenizer = _CountingTokenizer(MODEL.tokenizer)
+    model = Model(config=MODEL.config, params=MODEL.stored_params, tokenizer=tokenizer,
+                  source=MODEL.source)
+    checked, streamed, renders = [], [], []
+
+    def prepare(*args, **kwargs):
+        checked.append(prepare.real(*args, **kwargs))
+        return checked[-1]
+
+    def stream_request(model, request, *args, **kwargs):
+        streamed.append(request)
+        return stream_request.real(model, request, *args, **kwargs)
+
+    def render(self, *args, **kwargs):
+        renders.append(args[0])
+        return render.real(self, *args, **kwargs)
+
+    prepare.real, stream_request.real, render.real = (
+        options.request, api.stream_request, chat.ChatTemplate.render)
+    monkeypatch.setattr(options, "request", prepare)
+    monkeypatch.setattr(api, "stream_request", stream_request)
+    monkeypatch.setattr(chat.ChatTemplate, "render", render)
+    stop = "Question:"
+    common = {"model": "nld-tiny", "max_tokens": 4, "temperature": 0, "stop": [stop]}
+    asks = {"/v1/completions": {**common, "prompt": _question(5)},
+            "/v1/chat/completions": {**common, "messages": [{"role": "user",
+                                                             "content": _question(5)}]}}
+    with _in_process(model) as base:
+        for (path, body), streaming in itertools.product(asks.items(), (False, True)):
+            for seen in (checked, streamed, renders, tokenizer.texts):
+                seen.clear()
+            if streaming:
+                code, got = events(base, path, {**body, "stream": True})
+                assert got[-1] == "[DONE]" and "error" not in got[-2], got
+            else:
+                code, got = request(base, "POST", path, body)
+            assert code == 200, got
+            is_chat = path == "/v1/chat/completions"
+            # One check (options.request), and the decoder streams exactly that request.
+            assert len(checked) == 1 and len(streamed) == 1 and streamed[0] is checked[0]
+            # The template rendered once (chat only); the prompt and the stop string
+            # tokenized once each.
+            assert len(renders) == (1 if is_chat else 0)
+            assert len(tokenizer.texts) == 2 and tokenizer.texts[1] == stop, tokenizer.texts
+            if is_chat:  # the rendered conversation
+                assert _question(5) in tokenizer.texts[0] != _question(5)
+            else:
+                assert tokenizer.texts[0] == _question(5)
 
 
 def test_ctrl_c_stops_the_server(server):

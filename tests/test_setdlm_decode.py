@@ -185,9 +185,11 @@ def test_maximum_rows_per_call(w, linear, quadratic, packed):
 # --- compile once ------------------------------------------------------------------------------
 
 def test_second_decode_does_not_recompile():
-    first = ps.decode(tiny_setdlm(0), [1, 2, 3], schedule="packed", window=W,
+    """A new prompt, length limit and stop markers reuse the model's compiled program."""
+    model = tiny_setdlm(0)
+    first = ps.decode(model, [1, 2, 3], schedule="packed", window=W,
                       max_new_tokens=9, cache_size=CACHE)
-    r = ps.decode(tiny_setdlm(1), [4, 5, 6, 7, 8, 9], schedule="packed", window=W,
+    r = ps.decode(model, [4, 5, 6, 7, 8, 9], schedule="packed", window=W,
                   max_new_tokens=17, stop_sequences=[[2, 3]], eos_id=None, cache_size=CACHE)
     assert r.compile_s == 0.0
     assert len(first.tokens) >= 1

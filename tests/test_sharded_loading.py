@@ -15,10 +15,11 @@ import pytest
 from safetensors.numpy import save_file
 
 from packed_ss_jax import loading, sharding
-from packed_ss_jax.checkpoints import nemotron, setdlm
 from packed_ss_jax.checkpoints.assemble import slice_shape
 from packed_ss_jax.checkpoints.errors import CheckpointError
 from packed_ss_jax.checkpoints.safetensors_io import SafetensorsDir, _runs
+from packed_ss_jax.nemotron import checkpoint as nemotron
+from packed_ss_jax.setdlm import checkpoint as setdlm
 from checkpoint_copies import copy_checkpoint
 
 UP = "encoder.layers.1.mlp.up_proj.weight"  # stored [mlp, hidden]: split over its rows

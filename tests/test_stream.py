@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import packed_ss_jax as ps
-from packed_ss_jax import engine, families, stops
+from packed_ss_jax import families, stops
 from packed_ss_jax.detokenize import Detokenizer
 from test_chunked import CACHE, LENGTH, MODELS, PROMPT, WIDTH
 
@@ -67,10 +67,10 @@ def _schedules():
 
 @pytest.mark.parametrize("family,schedule", _schedules())
 def test_stop_sequences_end_the_output_at_the_earliest(family, schedule):
-    m = MODELS[family]()
-    fam = families.of(m.config)
-    kw = dict(schedule=schedule, width=WIDTH[family], max_new_tokens=LENGTH, cache_size=CACHE)
-    free = engine.run(m, fam, engine.prepare(m, fam, PROMPT, eos_id=None, **kw)).tokens
+    engine = ps.Engine.of(MODELS[family]())
+    kw = dict(schedule=schedule, max_new_tokens=LENGTH, cache_size=CACHE,
+              **{engine.family.width_name: WIDTH[family]})
+    free = engine.decode(engine.request(PROMPT, ps.DecodeOptions(eos_id=None, **kw))).tokens
     # Markers taken from the free output: a two-token one late, a three-token one early
     # (it must win), and one that never occurs.
     late, early = free[12:14], free[4:7]
@@ -79,11 +79,13 @@ def test_stop_sequences_end_the_output_at_the_earliest(family, schedule):
         markers.pop()
     want = _cut_at_marker(free, markers)
     assert len(want) <= 7
-    request = engine.prepare(m, fam, PROMPT, eos_id=None, stop_sequences=markers, **kw)
-    got = engine.run(m, fam, request)
+    request = engine.request(PROMPT, ps.DecodeOptions(eos_id=None, stop_sequences=markers,
+                                                      **kw))
+    got = engine.decode(request)
     assert got.tokens == want and got.finish_reason == "stop"
-    chunked = engine.Chunked(m, fam, request, 2)
-    assert [t for c in chunked for t in c] == want
+    streaming = engine.stream(request, 2)
+    assert [t for c in streaming for t in c] == want
+    assert streaming.stopped and streaming.result().finish_reason == "stop"
 
 
 def test_stop_strings_across_token_boundaries():

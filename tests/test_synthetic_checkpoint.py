@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import packed_ss_jax as ps
-from benchmarks import synthetic_checkpoint as synthetic
-from packed_ss_jax.checkpoints import nemotron
+from packed_ss_jax.nemotron import checkpoint as nemotron
+from tools import synthetic_checkpoint as synthetic
 
 
 @pytest.fixture(scope="module")

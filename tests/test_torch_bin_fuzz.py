@@ -1,12 +1,12 @@
 """2,000 fuzzed `.bin` files from the fixture: each is refused or read inside its storages.
 
-The generator and the independent check live in `benchmarks/fuzz_torch_bin.py`, which
-also runs the long version (`python -m benchmarks.fuzz_torch_bin --cases 100000`).
+The generator and the independent check live in `tools/fuzz_torch_bin.py`, which
+also runs the long version (`python -m tools.fuzz_torch_bin --cases 100000`).
 """
 
 import pytest
 
-from benchmarks import fuzz_torch_bin as fuzz
+from tools import fuzz_torch_bin as fuzz
 
 CASES = 2000
 

@@ -15,10 +15,10 @@ import zipfile
 import numpy as np
 import pytest
 
-from benchmarks.fuzz_torch_bin import (ORDERED_DICT, REBUILD, outside, p_global, p_int,
-                                       p_str, p_tuple, p_value, patch_sizes)
 from packed_ss_jax.checkpoints.errors import CheckpointError
 from packed_ss_jax.checkpoints.torch_bin import LazyTensor, TorchBin
+from tools.fuzz_torch_bin import (ORDERED_DICT, REBUILD, outside, p_global, p_int, p_str,
+                                  p_tuple, p_value, patch_sizes)
 
 DATA = np.arange(16, dtype=np.float32)
 

@@ -11,7 +11,7 @@ import pytest
 
 import packed_ss_jax as ps
 from packed_ss_jax import model as model_lib
-from packed_ss_jax.checkpoints import nemotron
+from packed_ss_jax.nemotron import checkpoint as nemotron
 from packed_ss_jax.training import corpus, export, objective
 from packed_ss_jax.training import train as train_lib
 from packed_ss_jax.training.tokenizer import BOS, EOS, MASK, PAD, special_ids, train_tokenizer

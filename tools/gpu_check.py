@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """The GPU check: the measurements a short GPU rental is for, most valuable first, in 8 minutes.
 
     python -m tools.gpu_check --out gpu_check_out      # on a machine with a GPU
@@ -211,7 +210,8 @@ def write_summary(out: Path, plan: list[Step], done: dict, elapsed: float, smoke
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.gpu_check",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="gpu_check_out", help="folder for the tables and logs")
     p.add_argument("--smoke", action="store_true",
                    help="tiny sizes, unoptimised compilation: check the steps on a CPU")

@@ -53,7 +53,7 @@ def adapter_rows(schedule: str, block_size: int | None, adapter: bool) -> dict:
 
 
 def lora_table(runs: list[dict]) -> list[dict]:
-    """Tables 4-5 from bench runs (each `harness.summarize`'s output, with its `lora`):
+    """Tables 4-5 from bench runs (each `report.summarize`'s output, with its `lora`):
     per schedule and adapter setting, means per response (tokens, wall, model and
     non-model time), throughput, accuracy, and per iteration the model time and the rows
     selected / evaluated."""

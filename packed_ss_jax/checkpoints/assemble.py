@@ -306,13 +306,7 @@ def read(reads: list[Read], source: Source, dtype, place: Callable | None = None
     bytes of the weights (in `dtype`) that was."""
     dtype = np.dtype(dtype)
     lazy = getattr(place, "lazy", None)
-
-    def elements(r: Read) -> int:  # what this process reads of the tensor
-        if lazy is None:
-            return math.prod(r.shape)
-        return sum(math.prod(slice_shape(i, r.shape)) for i in place.slices(r.shape, r.path))
-
-    share = {r.name: elements(r) for r in reads}
+    share = {r.name: _elements(r, place) for r in reads}
     local = sum(share.values()) * dtype.itemsize
     whole_bytes = sum(math.prod(r.shape) for r in reads) * dtype.itemsize
     note = (f" (this process read the slices its devices hold: {local} of {whole_bytes} "
@@ -323,37 +317,10 @@ def read(reads: list[Read], source: Source, dtype, place: Callable | None = None
     for r in reads:
         found = _NonFinite()
         if lazy is None:
-            a = np.asarray(source.get(r.name))
-            host = host_array(a, r.transpose, dtype)
-            del a  # a memory-mapped view: unmapped here
-            assert host.shape == r.shape, (r.name, host.shape, r.shape)
-            found.check(host)
-            if place is not None:
-                # A placer that takes the param's path (sharding.placer) puts each slice
-                # on its own device.
-                host = place(host, r.path) if getattr(place, "with_path", False) else place(host)
+            host = _read_whole(r, source, dtype, place, found)
         else:
-            # When this process reads part of the checkpoint, every tensor is read slice
-            # by slice (only their pages, see SafetensorsDir.get_slice), even one it
-            # holds whole: a fault in a memory mapping also reads the pages around it
-            # (the device's read-ahead, megabytes), the neighbouring tensors' slices of
-            # other processes. Otherwise, or from a source that reads whole tensors
-            # anyway (a torch .bin), the tensor is read once and sliced in memory.
             by_slice = local < whole_bytes and hasattr(source, "get_slice")
-            whole = None if by_slice else np.asarray(source.get(r.name))
-
-            def part(index, r=r, whole=whole, found=found):
-                # `index` is in the params layout; a transposed tensor is stored the
-                # other way round, so it is sliced with the index reversed.
-                stored = index[::-1] if r.transpose else index
-                a = whole[stored] if whole is not None else source.get_slice(r.name, stored)
-                out = host_array(a, r.transpose, dtype)
-                assert out.shape == slice_shape(index, r.shape), (r.name, index, out.shape)
-                found.check(out)
-                return out
-
-            host = lazy(r.shape, r.path, part)
-            del whole, part
+            host = _read_by_slices(r, source, dtype, lazy, found, by_slice)
         if found.count:
             sliced = share[r.name] < math.prod(r.shape)
             non_finite.append(found.report(r.name, " read by this process" if sliced else ""))
@@ -364,6 +331,56 @@ def read(reads: list[Read], source: Source, dtype, place: Callable | None = None
         raise CheckpointError(f"non-finite weights (NaN/Inf) in {len(non_finite)} tensor(s):\n  "
                               + "\n  ".join(non_finite))
     return params
+
+
+def _elements(r: Read, place) -> int:
+    """How many elements of the tensor this process reads: all of them, or with a lazy
+    placer the sum over the distinct slices its devices hold."""
+    if getattr(place, "lazy", None) is None:
+        return math.prod(r.shape)
+    return sum(math.prod(slice_shape(i, r.shape)) for i in place.slices(r.shape, r.path))
+
+
+def _read_whole(r: Read, source: Source, dtype: np.dtype, place: Callable | None,
+                found: _NonFinite):
+    """One tensor read whole, transposed and cast into a new host array, checked for
+    NaN/Inf into `found`, then passed through `place` when given."""
+    a = np.asarray(source.get(r.name))
+    host = host_array(a, r.transpose, dtype)
+    del a  # a memory-mapped view: unmapped here
+    assert host.shape == r.shape, (r.name, host.shape, r.shape)
+    found.check(host)
+    if place is not None:
+        # A placer that takes the param's path (sharding.placer) puts each slice
+        # on its own device.
+        host = place(host, r.path) if getattr(place, "with_path", False) else place(host)
+    return host
+
+
+def _read_by_slices(r: Read, source: Source, dtype: np.dtype, lazy: Callable,
+                    found: _NonFinite, by_slice: bool):
+    """One tensor handed to a lazy placer, which asks for the slices its devices hold:
+    each is read (`by_slice`: from the source's pages alone; otherwise cut from the
+    tensor read once), transposed, cast and checked for NaN/Inf into `found`."""
+    # When this process reads part of the checkpoint, every tensor is read slice
+    # by slice (only their pages, see SafetensorsDir.get_slice), even one it
+    # holds whole: a fault in a memory mapping also reads the pages around it
+    # (the device's read-ahead, megabytes), the neighbouring tensors' slices of
+    # other processes. Otherwise, or from a source that reads whole tensors
+    # anyway (a torch .bin), the tensor is read once and sliced in memory.
+    whole = None if by_slice else np.asarray(source.get(r.name))
+
+    def part(index):
+        # `index` is in the params layout; a transposed tensor is stored the
+        # other way round, so it is sliced with the index reversed.
+        stored = index[::-1] if r.transpose else index
+        a = whole[stored] if whole is not None else source.get_slice(r.name, stored)
+        out = host_array(a, r.transpose, dtype)
+        assert out.shape == slice_shape(index, r.shape), (r.name, index, out.shape)
+        found.check(out)
+        return out
+
+    return lazy(r.shape, r.path, part)
 
 
 def assemble(table: Iterable[Entry], abstract, num_layers: int, source: Source, dtype,

@@ -20,13 +20,13 @@ truncated one is named before orbax tries to read it. `files` lists every file a
 directory (trailing "/") the conversion wrote besides the marker itself: `--overwrite`
 replaces a directory only when it holds nothing else.
 
-Versions: 3 stores params/ in the decoding layout, one array per layer weight
-(`layer_{i}/attn/q_proj`), so that neither writing nor reading ever stacks a weight
-over the layers; a stacked array's checksum is that of its layers' bytes one after
-another, so it is computed from the per-layer arrays alone and equals version 2's. Version 2
-stored params/ stacked (`layers/...`). Version 1 had only `config`. All still load
-(version 1 without checksum verification). `checksums` and `sizes` came later within
-version 3: a marker without them loads with a warning that its config is not verified.
+params/ holds the decoding layout, one array per layer weight (`layer_{i}/attn/q_proj`),
+so that neither writing nor reading ever stacks a weight over the layers; a stacked
+array's checksum is that of its layers' bytes one after another, so it is computed from
+the per-layer arrays alone. `checksums` and `sizes` came later within version 3: a marker
+without them loads with a warning that its config is not verified. Only version 3 is
+read: an output of an earlier (pre-release) format is refused with `FormatVersionError`,
+which names the version and asks for the conversion to be run again.
 
 Everything read from a marker is validated here, so a damaged one gives an error naming
 the file and the field instead of a traceback further down.
@@ -38,6 +38,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import re
 import types
 import typing
@@ -52,14 +53,31 @@ from .errors import CheckpointError
 MARKER = "packed_ss_config.json"
 FORMAT = "packed_ss_jax"
 VERSION = 3
-READABLE = (1, 2, 3)
-_V2_KEYS = {"format", "version", "config", "arrays", "files"}
-_KEYS = {1: {"format", "version", "config"}, 2: _V2_KEYS, 3: _V2_KEYS}
-# Keys a marker of that version may lack (written before they were added).
-_LATER_KEYS = {3: {"checksums", "sizes"}}
+# The formats of the pre-release packed_ss_jax, which are no longer read.
+EARLIER_VERSIONS = (1, 2)
+_KEYS = {"format", "version", "config", "arrays", "files"}
+# Keys a marker may lack (written before they were added).
+_LATER_KEYS = {"checksums", "sizes"}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 # The copied files whose checksum a conversion records (in `checksums`).
 COVERED_FILES = ("config.json",)
+
+
+class FormatVersionError(CheckpointError):
+    """A converted directory in an earlier format, which this packed_ss_jax no longer
+    reads: it must be converted again."""
+
+    def __init__(self, file: Path, version: int):
+        self.version = version
+        super().__init__(
+            f"{file}: format version {version}, written by a pre-release packed_ss_jax; this "
+            f"one reads only version {VERSION}. Run `packed-ss convert` on the original "
+            "checkpoint again (into a new directory, or remove this one first)")
+
+
+def hash_workers() -> int:
+    """The threads that hash arrays at once (hashlib releases the GIL)."""
+    return max(1, min(8, os.cpu_count() or 1))
 
 
 def checksum(a) -> str:
@@ -103,7 +121,7 @@ def array_names(tree) -> dict[str, object]:
 # -- the two layouts ------------------------------------------------------------------
 # Stored: "layers/attn/q_proj" holds every layer, stacked on axis 0 (what checkpoints,
 # training and the marker's `arrays` speak). Decoding: "layer_3/attn/q_proj" is layer 3
-# alone (what a loaded Model holds, and version-3 params/). See model.py.
+# alone (what a loaded Model holds, and params/). See model.py.
 
 STACKED = "layers"
 _LAYER = re.compile(r"layer_(0|[1-9][0-9]*)")
@@ -144,11 +162,6 @@ def _grouped(tree) -> dict[str, tuple[bool, list]]:
     return out
 
 
-def is_layered(tree) -> bool:
-    """Whether a params tree (or orbax metadata tree) holds its layers one by one."""
-    return any(stored_name(n)[1] is not None for n in array_names(tree))
-
-
 def dtype_name(dtype) -> str:
     return np.dtype(dtype).name  # "float32", "bfloat16" (ml_dtypes)
 
@@ -167,25 +180,26 @@ def read(path: str | Path) -> dict:
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{file}: 'format' is {meta.get('format')!r}, expected {FORMAT!r}")
     version = meta.get("version")
-    if type(version) is not int or version not in READABLE:
-        raise CheckpointError(f"{file}: format version {version!r} is not one this packed_ss_jax "
-                              f"reads {list(READABLE)}; convert the checkpoint again")
-    later = _LATER_KEYS.get(version, set())
-    missing = sorted(_KEYS[version] - set(meta))
-    unknown = sorted(set(meta) - _KEYS[version] - later)
+    if type(version) is int and version in EARLIER_VERSIONS:
+        raise FormatVersionError(file, version)
+    if type(version) is not int or version != VERSION:
+        raise CheckpointError(f"{file}: format version {version!r} is not the one this "
+                              f"packed_ss_jax reads ({VERSION}); run `packed-ss convert` on "
+                              "the original checkpoint again")
+    missing = sorted(_KEYS - set(meta))
+    unknown = sorted(set(meta) - _KEYS - _LATER_KEYS)
     if missing or unknown:
         raise CheckpointError(f"{file}: " + "; ".join(
             ([f"missing keys {missing}"] if missing else [])
             + ([f"unknown keys {unknown}"] if unknown else [])))
     raw = meta["config"]
     meta["config"] = _config(raw, file)
-    # What `checksums["config"]` is compared with (see `store.restore`).
+    # What `checksums["config"]` is compared with (see `restoring.restore`).
     meta["config_digest"] = config_checksum(raw)
-    if version >= 2:
-        _check_arrays(meta["arrays"], file)
-        files = meta["files"]
-        if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
-            raise CheckpointError(f"{file}: 'files' must be a list of relative paths")
+    _check_arrays(meta["arrays"], file)
+    files = meta["files"]
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        raise CheckpointError(f"{file}: 'files' must be a list of relative paths")
     if "checksums" in meta:
         _check_checksums(meta["checksums"], file)
     if "sizes" in meta:

@@ -16,7 +16,8 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from ..calls import Call, causal, i32 as _i32, prefill  # noqa: F401 (prefill: this family's too)
+from ..calls import Call, causal, i32 as _i32
+from ..calls import prefill  # noqa: F401  (the prompt call is this family's too)
 
 
 @functools.lru_cache(maxsize=None)

@@ -17,9 +17,10 @@ import jax.numpy as jnp
 from .. import cache as cache_lib
 from . import layouts
 from ..reductions import nonfinite_rows
-from ..sampling import Sampler
+from ..calls import run_call
+from ..sampling import Sampler, next_keys
 from .state import (ForwardModel, State, choose_first, drafter_tokens, empty_q, no_draft, propose,
-                    run_call, split, start, stop_nonfinite, verifier_tokens)
+                    first_state, stop_nonfinite, verifier_tokens)
 
 
 def _cache_prompt(m: ForwardModel, kv_rows, P: int, capacity: int, B: int):
@@ -37,10 +38,10 @@ def prefill(m: ForwardModel, params, prompt, n, *, B: int, capacity: int, max_ne
     first = choose_first(logits[0], sampler, k_first)
     cache = _cache_prompt(m, kv, prompt.shape[0], capacity, B)
     draft, draft_len = no_draft(B, m.mask_id)
-    return start(m, cache, n, first, draft, draft_len, B=B, capacity=capacity, max_new=max_new,
+    return first_state(cache, n, first, draft, draft_len, B=B, capacity=capacity, max_new=max_new,
                  stop_tok=stop_tok, stop_len=stop_len, verifier=logits,
                  key=None if sampler.greedy else key,
-                 draft_q=empty_q(sampler, B - 1, m.vocab_size))
+                 draft_q=empty_q(sampler, B - 1, m.vocab_size), sampler=sampler)
 
 
 def first_call(m: ForwardModel, params, prompt, n, *, B: int, capacity: int, max_new, stop_tok,
@@ -56,12 +57,12 @@ def first_call(m: ForwardModel, params, prompt, n, *, B: int, capacity: int, max
     first = verifier_tokens(logits[0])
     draft = drafter_tokens(logits[1:], m.mask_id)
     cache = _cache_prompt(m, kv, P, capacity, B)
-    return start(m, cache, n, first, draft, B - 1, B=B, capacity=capacity, max_new=max_new,
+    return first_state(cache, n, first, draft, B - 1, B=B, capacity=capacity, max_new=max_new,
                  stop_tok=stop_tok, stop_len=stop_len, verifier=logits[:1], drafter=logits[1:])
 
 
 def _draft_after_first(m, params, s: State, B: int, sampler: Sampler) -> State:
-    s, (k,) = split(s, 1, sampler)
+    s, (k,) = next_keys(s, 1, sampler)
     call = layouts.draft_block(s.x, s.cache_len, B, m.mask_id)
     logits, _ = run_call(m, params, call, s.cache, s.cache_len, out_rows=jnp.arange(1, B))
     draft, q = propose(logits, sampler, m.mask_id, k)

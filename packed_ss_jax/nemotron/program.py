@@ -8,9 +8,7 @@ The prompt length and the limits (length limit, stop markers with EOS) are trace
 they never recompile.
 """
 
-import numpy as np
 
-from .. import stops
 from ..loop import Loop
 from .schedules import ar, linear, packed, quadratic
 from .prefill import first_call, prefill
@@ -28,21 +26,20 @@ SCHEDULES = {
 def build(m, p) -> Loop:
     """The decode loop of one program; `p.width` is the block size B (1 for AR)."""
     first, step = SCHEDULES[p.schedule]
-    B, sampler = p.width, p.sampler
+    B, sampling = p.width, p.sampling
 
     def init(params, prompt, n, limits, key):
+        sampler = sampling.bind(limits["temperature"], limits["top_p"])
         return first(m, params, prompt, n, B=B, capacity=p.capacity, max_new=limits["max_new"],
                      stop_tok=limits["stop_tok"], stop_len=limits["stop_len"], sampler=sampler,
                      key=key)
 
+    def sampler_of(s):
+        return sampling.bind(None, None) if sampling.greedy else s.sampler
+
     def outcome(s):
         return dict(tokens=s.out, n_tokens=s.n_out, nfe=s.nfe, iterations=s.iterations,
-                    accept_hist=s.hist, nonfinite_at=s.nonfinite_at)
+                    accept_hist=s.hist, nonfinite_at=s.nonfinite_at, stopped=s.stopped)
 
-    return Loop(init=init, step=lambda params, s: step(m, params, s, B=B, sampler=sampler),
+    return Loop(init=init, step=lambda params, s: step(m, params, s, B=B, sampler=sampler_of(s)),
                 outcome=outcome, progress=lambda s: (s.out, s.n_out, s.done))
-
-
-def limits(tokenizer, vocab: int, max_new: int, eos_id: int | None, stop_sequences) -> dict:
-    """The traced limits: the length limit and the stop-marker table, EOS included."""
-    return {"max_new": np.int32(max_new), **stops.table(tokenizer, vocab, eos_id, stop_sequences)}

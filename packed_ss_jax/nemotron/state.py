@@ -8,7 +8,7 @@ stop sequence never recompiles.
 Non-finite logits stop the loop too: a token is appended only if the logits row it
 was chosen from is finite, and the loop goes on only if the drafter rows are finite
 too. Otherwise `nonfinite_at` records the generated position where it stopped and
-the driver raises on the host (engine.check_finite). Verifier rows past the appended
+the driver raises on the host (results.check_finite). Verifier rows past the appended
 tokens are not looked at: they condition on rejected drafts, so a token whose
 embedding is NaN can poison them without ever being output, and AR decoding would
 not stop there either.
@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 
 from .. import cache as cache_lib
-from .. import calls
 from .. import sampling, stops
 from ..reductions import first_argmax, leading_true, nonfinite_rows
 from ..sampling import Sampler, StoredQ
@@ -58,13 +57,10 @@ class State:
     stop_tok: jax.Array    # [K, Lm] stop markers (EOS included), see stops.py
     stop_len: jax.Array    # [K] (0: unused slot)
     nonfinite_at: jax.Array  # generated position where NaN/Inf logits stopped the loop; -1: none
+    stopped: jax.Array     # a stop marker (EOS among them) ended the output
     key: Any = None        # PRNG key (sampling only), threaded through the loop
     draft_q: Any = None    # StoredQ of the draft (sampling only): what each d was drawn from
-
-
-def run_call(m: ForwardModel, params, call, cache, cache_len, out_rows=None):
-    """One NFE: a layout (see layouts.py) over the first `cache_len` cache slots."""
-    return calls.run_call(m, params, call, cache, cache_len, out_rows)
+    sampler: Any = None    # the Sampler with its traced temperature / top-p (sampling only)
 
 
 def verifier_tokens(logits):
@@ -121,14 +117,6 @@ def propose(logits, sampler: Sampler, mask_id: int, key):
     return q.sample(key), q
 
 
-def split(s: State, n: int, sampler: Sampler):
-    """n fresh keys for this step (None when greedy) and the state with the key advanced."""
-    if sampler.greedy:
-        return s, [None] * n
-    keys = jax.random.split(s.key, n + 1)
-    return s.replace(key=keys[0]), list(keys[1:])
-
-
 def empty_q(sampler: Sampler, width: int, vocab: int):
     return None if sampler.greedy else StoredQ.empty(sampler, width, vocab)
 
@@ -155,8 +143,9 @@ def emit(s: State, accepted, count, verifier, drafter=None) -> State:
     index = jnp.where(k < a, s.n_out + k, capacity)  # out-of-range rows are dropped
     out = s.out.at[index].set(accepted, mode="drop")
     n_out = s.n_out + a
-    stopped = jnp.any(is_stop & (k < a)) | (n_out >= s.max_new)
-    return s.replace(out=out, n_out=n_out, done=s.done | stopped,
+    marker = jnp.any(is_stop & (k < a))
+    return s.replace(out=out, n_out=n_out, done=s.done | marker | (n_out >= s.max_new),
+                     stopped=s.stopped | marker,
                      iterations=s.iterations + 1, hist=s.hist.at[a].add(1))
 
 
@@ -172,9 +161,9 @@ def advance(s: State, kv_rows, rows, accepted, count, next_x, draft, draft_len, 
     return emit(s, accepted, count, verifier, drafter)
 
 
-def start(m: ForwardModel, cache, n, first, draft, draft_len, *, B: int, capacity: int,
+def first_state(cache, n, first, draft, draft_len, *, B: int, capacity: int,
           max_new, stop_tok, stop_len, verifier, drafter=None, key=None,
-          draft_q=None) -> State:
+          draft_q=None, sampler=None) -> State:
     """State after the first call: the prompt is cached, `first` is the first token
     (chosen by the logits row `verifier` [1, V]; `drafter`: the rows of `draft`)."""
     s = State(cache=cache, cache_len=jnp.asarray(n, jnp.int32), x=first, draft=draft,
@@ -183,7 +172,8 @@ def start(m: ForwardModel, cache, n, first, draft, draft_len, *, B: int, capacit
               nfe=jnp.int32(1), iterations=jnp.int32(0), hist=jnp.zeros(B + 1, jnp.int32),
               max_new=jnp.asarray(max_new, jnp.int32), stop_tok=jnp.asarray(stop_tok, jnp.int32),
               stop_len=jnp.asarray(stop_len, jnp.int32),
-              nonfinite_at=jnp.int32(-1), key=key, draft_q=draft_q)
+              nonfinite_at=jnp.int32(-1), stopped=jnp.bool_(False), key=key, draft_q=draft_q,
+              sampler=None if sampler is None or sampler.greedy else sampler)
     return emit(s, first[None], jnp.int32(1), verifier, drafter)
 
 

@@ -128,19 +128,3 @@ def serial(n, n_tok, n_out, p, w: Window, mask_id: int) -> Call:
     tokens = jnp.stack([jnp.where(p > 0, n_tok, mask_id), jnp.int32(mask_id)])
     positions = jnp.stack([n + jnp.maximum(n_out, 0), n + w.out[0]])
     return _call(tokens, positions, mask)
-
-
-def two_stream(x0, sigma, mask_id: int):
-    """The training construction: input `[x0[sigma] ; MASK^L]` at positions
-    `[sigma ; sigma]`. A clean row sees clean rows of earlier-or-equal rank; a query row
-    sees clean rows of strictly earlier rank and itself; so query row k gives
-    p(x_sigma(k) | x_sigma(<k)), every any-order conditional in one pass."""
-    x0, sigma = jnp.asarray(x0, jnp.int32), jnp.asarray(sigma, jnp.int32)
-    L = x0.shape[0]
-    k = jnp.arange(L)
-    earlier = k[None, :] < k[:, None]
-    I, Z = jnp.eye(L, dtype=bool), jnp.zeros((L, L), bool)
-    mask = jnp.concatenate([jnp.concatenate([earlier | I, Z], axis=1),
-                            jnp.concatenate([earlier, I], axis=1)])
-    tokens = jnp.concatenate([x0[sigma], jnp.full(L, mask_id, jnp.int32)])
-    return tokens, jnp.concatenate([sigma, sigma]), mask

@@ -10,11 +10,9 @@ so they never recompile.
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
 
 from .. import cache as cache_lib
 from .. import calls
-from .. import stops
 from ..loop import Loop
 from ..reductions import leading_true
 from ..sampling import StoredQ
@@ -24,7 +22,7 @@ from .state import State
 ORDERS = ("ltr", "confidence")
 
 
-def start(m, params, prompt, n, *, p, max_new, stop_tok, stop_len, key) -> State:
+def prompt_call(m, params, prompt, n, *, p, max_new, stop_tok, stop_len, sampler, key) -> State:
     """The prompt call (1 NFE): a causal pass that fills the cache (App. E.2)."""
     W, P = p.width, prompt.shape[0]
     _, kv = calls.run_call(m, params, calls.prefill(prompt), m.empty_cache(0), 0,
@@ -34,8 +32,9 @@ def start(m, params, prompt, n, *, p, max_new, stop_tok, stop_len, key) -> State
     cache = cache_lib.commit(m.empty_cache(S), kv, jnp.arange(P), 0)
     Np = W if p.schedule == "native" else 1
     iters = 2 * p.capacity + 2  # E or the unresolved count below E drops every iteration
-    sampled = {} if p.sampler.greedy else dict(
-        key=key, q=StoredQ.empty(p.sampler, W, m.vocab_size), q_out=jnp.full(W, -1, jnp.int32))
+    sampled = {} if sampler.greedy else dict(
+        key=key, q=StoredQ.empty(sampler, W, m.vocab_size), q_out=jnp.full(W, -1, jnp.int32),
+        sampler=sampler)
     return State(
         cache=cache, cache_len=jnp.asarray(n, jnp.int32), slot_out=jnp.full(S, -1, jnp.int32),
         n=jnp.asarray(n, jnp.int32), tok=jnp.zeros(C, jnp.int32), res=jnp.zeros(C, bool),
@@ -54,12 +53,17 @@ def build(m, p) -> Loop:
     step = SCHEDULES[p.schedule]
 
     def init(params, prompt, n, limits, key):
-        return start(m, params, prompt, n, p=p, max_new=limits["max_new"],
-                     stop_tok=limits["stop_tok"], stop_len=limits["stop_len"], key=key)
+        sampler = p.sampling.bind(limits["temperature"], limits["top_p"])
+        return prompt_call(m, params, prompt, n, p=p, max_new=limits["max_new"],
+                     stop_tok=limits["stop_tok"], stop_len=limits["stop_len"], sampler=sampler,
+                     key=key)
+
+    def sampler_of(s):
+        return p.sampling.bind(None, None) if p.sampling.greedy else s.sampler
 
     def outcome(s):
         return dict(tokens=s.tok, n_tokens=s.E, nfe=s.nfe, iterations=s.iterations,
-                    accept_hist=s.hist, nonfinite_at=s.nonfinite_at, rows=s.rows,
+                    accept_hist=s.hist, nonfinite_at=s.nonfinite_at, stopped=s.stopped, rows=s.rows,
                     max_rows=s.max_rows, trace_order=s.trace_out, trace_accepted=s.trace_A,
                     trace_fed=s.trace_fed)
 
@@ -70,12 +74,4 @@ def build(m, p) -> Loop:
 
     return Loop(init=init, outcome=outcome, progress=progress,
                 step=lambda params, s: step(m, params, s, W=p.width, order=p.order,
-                                            sampler=p.sampler))
-
-
-def limits(tokenizer, vocab: int, max_new: int, eos_id: int | None, stop_sequences) -> dict:
-    """The traced limits: the length limit and the stop-marker table (EOS included).
-
-    A marker is a token-id list, or a string when a tokenizer is given; it counts once
-    all its tokens are accepted, and the output ends with the earliest (App. E.2)."""
-    return {"max_new": np.int32(max_new), **stops.table(tokenizer, vocab, eos_id, stop_sequences)}
+                                            sampler=sampler_of(s)))

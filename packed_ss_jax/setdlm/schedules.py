@@ -32,13 +32,12 @@ depend on the drafts.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from .. import sampling
 from ..sampling import Sampler, StoredQ
 from . import layouts
-from .state import (State, accept, commit, finish, first_ranks, matches, predict, run_call,
+from .state import (State, accept, commit, finish, first_ranks, matches, predict, forward_visible,
                     set_pending, store_drafts, window)
 
 THRESHOLD = 0.9  # the release's confidence threshold (E.6 "Native baseline")
@@ -46,14 +45,6 @@ THRESHOLD = 0.9  # the release's confidence threshold (E.6 "Native baseline")
 
 def _n(s: State):
     return s.pend_tok[0], s.pend_out[0], s.pend_n
-
-
-def _split(s: State, n: int, sampler: Sampler):
-    """n fresh keys for this step (None when greedy) and the state with the key advanced."""
-    if sampler.greedy:
-        return s, [None] * n
-    keys = jax.random.split(s.key, n + 1)
-    return s.replace(key=keys[0]), list(keys[1:])
 
 
 def target(logits, sampler: Sampler, mask_id: int):
@@ -118,12 +109,12 @@ def _one_call(m, params, s: State, W: int, order: str, sampler: Sampler, layout,
     """A one-call step (Packed, Quadratic): the call over `[N | O | M | drafting rows]`;
     its M rows verify the stored drafts. Returns the state, window, p, the call's logits
     (M rows, then the drafting rows), kv, h, v and the key left for the next drafts."""
-    s, (k_verify, k_draft) = _split(s, 2, sampler)
+    s, (k_verify, k_draft) = sampling.next_keys(s, 2, sampler)
     w = window(s, W, order, use_drafts=True)
     n_tok, n_out, p = _n(s)
     drafts = s.draft[w.out]
     call = layout(s.n, n_tok, n_out, p, w, drafts, m.mask_id)
-    logits, kv = run_call(m, params, call, s, 1 + W + jnp.arange(W + proposal_rows))
+    logits, kv = forward_visible(m, params, call, s, 1 + W + jnp.arange(W + proposal_rows))
     q = None if sampler.greedy else _stored_q(s, w)
     h, v = _verify(m, logits[:W], drafts, w.kappa, q, w, sampler, k_verify)
     return s, w, p, logits, kv, h, v, k_draft
@@ -156,15 +147,15 @@ def quadratic(m, params, s: State, *, W: int, order: str, sampler: Sampler) -> S
 
 
 def linear(m, params, s: State, *, W: int, order: str, sampler: Sampler) -> State:
-    s, (k_verify, k_draft) = _split(s, 2, sampler)
+    s, (k_verify, k_draft) = sampling.next_keys(s, 2, sampler)
     # The order is fixed before the drafting call, from last iteration's verifier scores.
     w = window(s, W, order, use_drafts=False)
     n_tok, n_out, p = _n(s)
-    d_logits, kv = run_call(m, params, layouts.draft(s.n, n_tok, n_out, p, w, m.mask_id), s,
+    d_logits, kv = forward_visible(m, params, layouts.draft(s.n, n_tok, n_out, p, w, m.mask_id), s,
                             1 + jnp.arange(W))
     z, _, q = _propose(d_logits, sampler, m.mask_id, k_draft)  # from the newest prefix
     s = commit(s, kv, jnp.zeros(1, jnp.int32), s.pend_out[:1], p, after=z)  # N, cached now
-    logits, kv = run_call(m, params, layouts.verify(s.n, w, z, m.mask_id), s, W + jnp.arange(W))
+    logits, kv = forward_visible(m, params, layouts.verify(s.n, w, z, m.mask_id), s, W + jnp.arange(W))
     h, v = _verify(m, logits, z, w.u, q, w, sampler, k_verify)
     A = jnp.minimum(h + 1, w.u)
     s = accept(s, w, v, first_ranks(w, A))
@@ -181,7 +172,7 @@ def linear(m, params, s: State, *, W: int, order: str, sampler: Sampler) -> Stat
 def native(m, params, s: State, *, W: int, order: str, sampler: Sampler) -> State:
     w = window(s, W, "ltr", use_drafts=False)
     call = layouts.native(s.n, s.pend_tok, s.pend_out, s.pend_n, w, m.mask_id)
-    logits, kv = run_call(m, params, call, s, W + jnp.arange(W))
+    logits, kv = forward_visible(m, params, call, s, W + jnp.arange(W))
     p = s.pend_n
     x, conf = predict(logits, m.mask_id)
     s = commit(s, kv, jnp.arange(W), s.pend_out, p, after=x)
@@ -197,10 +188,10 @@ def native(m, params, s: State, *, W: int, order: str, sampler: Sampler) -> Stat
 
 def serial(m, params, s: State, *, W: int, order: str, sampler: Sampler) -> State:
     """One token per call: the reference (greedy argmax, or plain ancestral sampling)."""
-    s, (k,) = _split(s, 1, sampler)
+    s, (k,) = sampling.next_keys(s, 1, sampler)
     w = window(s, 1, "ltr", use_drafts=False)
     n_tok, n_out, p = _n(s)
-    logits, kv = run_call(m, params, layouts.serial(s.n, n_tok, n_out, p, w, m.mask_id), s,
+    logits, kv = forward_visible(m, params, layouts.serial(s.n, n_tok, n_out, p, w, m.mask_id), s,
                           jnp.ones(1, jnp.int32))
     if sampler.greedy:
         v, _ = predict(logits, m.mask_id)

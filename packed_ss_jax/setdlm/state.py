@@ -22,7 +22,7 @@ Non-finite logits stop the loop: `finish` looks at the verifier rows behind the
 tokens kept this iteration and at the drafter rows (rows past the accepted ranks
 condition on rejected drafts and are not looked at), drops the tokens taken from a
 non-finite row and records in `nonfinite_at` the length of the resolved prefix left;
-the driver raises on the host (engine.check_finite).
+the driver raises on the host (results.check_finite).
 """
 
 from __future__ import annotations
@@ -70,12 +70,15 @@ class State:
     # Output tokens resolved (from finite logits) when NaN/Inf logits stopped the loop;
     # -1: none. A default, so that a driver building the state need not name it.
     nonfinite_at: jax.Array = flax.struct.field(default_factory=lambda: jnp.int32(-1))
+    # A stop marker (EOS among them) ended the output.
+    stopped: jax.Array = flax.struct.field(default_factory=lambda: jnp.bool_(False))
     # Sampling only (None when greedy): the PRNG key threaded through the loop, and the
     # proposal distributions Q the stored drafts were drawn from, one row per rank of the
     # window that drafted them (`q_out[r]`: that rank's output index, -1: none).
     key: Any = None
     q: Any = None
     q_out: Any = None
+    sampler: Any = None   # the Sampler with its traced temperature / top-p
 
 
 def masked_logits(logits, mask_id: int):
@@ -167,7 +170,7 @@ def store_drafts(s: State, w: Window, tokens, scores, from_rank) -> State:
 
 def stop_end(s: State):
     """Smallest end (exclusive output index) of a stop marker whose tokens are all
-    accepted, or E when there is none (App. E.2: the marker that ends earliest)."""
+    accepted (App. E.2: the marker that ends earliest), or past the buffer when none."""
     C = s.tok.shape[0]
     o = jnp.arange(C)
     K, Lm = s.stop_tok.shape
@@ -182,7 +185,7 @@ def stop_end(s: State):
         return ok & ((k >= n) | hit)
 
     ok = jax.lax.fori_loop(0, Lm, token_k, jnp.broadcast_to(n > 0, (K, C)))
-    return jnp.minimum(s.E, jnp.min(jnp.where(ok, o[None, :] + 1, C + 1))).astype(jnp.int32)
+    return jnp.min(jnp.where(ok, o[None, :] + 1, C + 1)).astype(jnp.int32)
 
 
 def visible(s: State):
@@ -191,7 +194,7 @@ def visible(s: State):
     return (jnp.arange(S) < s.cache_len) & (s.slot_out < s.E)
 
 
-def run_call(m, params, call, s: State, out_rows):
+def forward_visible(m, params, call, s: State, out_rows):
     """One NFE: a SetDLM layout through the model's forward, over the visible cache."""
     return calls.run_call(m, params, call, s.cache, visible(s), out_rows)
 
@@ -199,13 +202,14 @@ def run_call(m, params, call, s: State, out_rows):
 def apply_stop(s: State) -> State:
     """Alg. 3 lines 11-12: shrink E to the earliest accepted stop marker and discard
     every accepted or pending entry past it."""
-    E = stop_end(s)
+    end = stop_end(s)
+    E = jnp.minimum(s.E, end)
     C = s.tok.shape[0]
     res = s.res & (jnp.arange(C) < E)
     keep = (jnp.arange(s.pend_tok.shape[0]) < s.pend_n) & (s.pend_out < E)
     order = jnp.argsort(~keep, stable=True)
     return s.replace(E=E, res=res, pend_tok=s.pend_tok[order], pend_out=s.pend_out[order],
-                     pend_n=jnp.sum(keep).astype(jnp.int32))
+                     pend_n=jnp.sum(keep).astype(jnp.int32), stopped=s.stopped | (end <= s.E))
 
 
 def finish(s: State, w: Window, take, A, calls: int, rows, call_rows, *, verifier,

@@ -18,8 +18,6 @@ from __future__ import annotations
 import sys
 import time
 
-import numpy as np
-
 from .. import families
 from ..api import decode
 from ..loading import load
@@ -164,7 +162,7 @@ def print_report(report: dict) -> None:
     if report.get("family") == "setdlm":
         return print_setdlm_report(report)
     B = report["block_size"]
-    print(f"| prompts | n | AR accuracy | " + " | ".join(
+    print("| prompts | n | AR accuracy | " + " | ".join(
         f"{s} tok/NFE" + ("" if s == "ar" else f" (B={B})") for s in SCHEDULES) + " |")
     print("|" + "---|" * (3 + len(SCHEDULES)))
     for name, e in report["sets"].items():
@@ -187,8 +185,8 @@ def print_setdlm_report(report: dict) -> None:
         print("| schedule | order | " + " | ".join(f"W={W} tok/NFE" for W in windows) + " |")
         print("|---|---|" + "---|" * len(windows))
         serial = runs[run_key("serial", 1, "ltr")]
-        print(f"| serial | ltr | " + " | ".join(f"{serial['tokens_per_nfe']:.2f}"
-                                                  for _ in windows) + " |")
+        print("| serial | ltr | " + " | ".join(f"{serial['tokens_per_nfe']:.2f}"
+                                                for _ in windows) + " |")
         for order in ("ltr", "confidence"):
             for s in SETDLM_SCHEDULES:
                 keys = [run_key(s, W, order) for W in windows]

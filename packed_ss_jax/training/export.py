@@ -19,8 +19,11 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from ..checkpoints import nemotron, setdlm
-from ..config import NEMOTRON_MODEL_TYPE, SETDLM_MODEL_TYPE, ModelConfig
+from ..config import ModelConfig
+from ..nemotron import checkpoint as nemotron
+from ..nemotron.config import MODEL_TYPE as NEMOTRON_MODEL_TYPE
+from ..setdlm import checkpoint as setdlm
+from ..setdlm.config import MODEL_TYPE as SETDLM_MODEL_TYPE
 from .tokenizer import PAD
 
 

@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
-import math
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -207,16 +204,10 @@ def train(out_dir: str | Path, tc: TrainConfig = TrainConfig(), model_kw: dict |
     t_start = time.monotonic()
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
     if tokenizer is None:
-        texts = [p.text for p in itertools.islice(corpus.arithmetic("train", tc.seed),
-                                                  tc.tokenizer_problems)]
-        texts += corpus.code("train") + corpus.prose("train")
-        tokenizer = train_tokenizer(texts, tc.vocab_size)
+        tokenizer = _corpus_tokenizer(tc)
     ids = special_ids(tokenizer)
     family = FAMILIES[tc.family]
-    oc = objective_config if objective_config is not None else family.objective_config()
-    if not isinstance(oc, family.objective_config):
-        raise TypeError(f"objective_config for {tc.family} must be a "
-                        f"{family.objective_config.__name__}, got {type(oc).__name__}")
+    oc = _objective_config(tc.family, objective_config)
     c = model_config(tokenizer.get_vocab_size(), ids, family=tc.family, **(model_kw or {}))
     streams = Streams(tokenizer, tc)
     say(f"tokenizer: {c.vocab_size} tokens; corpus tokens ({', '.join(SOURCES)}): "
@@ -225,15 +216,63 @@ def train(out_dir: str | Path, tc: TrainConfig = TrainConfig(), model_kw: dict |
     params = model_lib.init_params(c, jax.random.PRNGKey(tc.seed))
     n_params = sum(x.size for x in jax.tree.leaves(params))
     say(f"model: {n_params / 1e6:.2f}M params, {c.num_layers} layers, hidden {c.hidden_size}")
-    tx = optimizer(tc)
-    opt_state = tx.init(params)
-    step = make_step(c, tx, tc.weights())
+    batches = _batches(streams, tc, family, c.mask_token_id, oc)
+    deadline = None if max_minutes is None else t_start + 60 * max_minutes
+    params, steps_done, log, out_of_time = _fit(c, params, tc, batches, deadline, quiet)
+    if out_of_time:
+        say(f"\nstopping at step {steps_done}: the {max_minutes} min limit")
+    jax.block_until_ready(params)
+    wall = time.monotonic() - t_start
+    say(f"\ntrained {steps_done} steps in {wall / 60:.1f} min")
+    info = {"train_config": dataclasses.asdict(tc), "objective": dataclasses.asdict(oc),
+            "model": model_kw or {}, "steps_done": steps_done, "params": int(n_params),
+            "wall_s": round(wall, 1), "log": log}
+    if out_dir is not None:
+        export.export(out_dir, c, params, tokenizer, extra=info, length=tc.seq_len)
+        say(f"saved to {out_dir}")
+    return c, params, info
+
+
+def _corpus_tokenizer(tc: TrainConfig):
+    """A BPE tokenizer of `tc.vocab_size` tokens trained on the training split: the first
+    `tc.tokenizer_problems` arithmetic problems, the code and the prose."""
+    texts = [p.text for p in itertools.islice(corpus.arithmetic("train", tc.seed),
+                                              tc.tokenizer_problems)]
+    texts += corpus.code("train") + corpus.prose("train")
+    return train_tokenizer(texts, tc.vocab_size)
+
+
+def _objective_config(family_name: str, given):
+    """`given`, or the family's default objective config; refuses one of another family."""
+    family = FAMILIES[family_name]
+    oc = given if given is not None else family.objective_config()
+    if not isinstance(oc, family.objective_config):
+        raise TypeError(f"objective_config for {family_name} must be a "
+                        f"{family.objective_config.__name__}, got {type(oc).__name__}")
+    return oc
+
+
+def _batches(streams: Streams, tc: TrainConfig, family: Family, mask_id: int, oc):
+    """next_batch(step) -> the family's training arrays for 1-based `step`: clean windows
+    drawn with that step's source mix, then noised or ordered by the family's batch."""
     rng = np.random.default_rng(tc.seed + 1)
 
     def next_batch(i):
         clean = streams.batch(rng, tc.batch, tc.seq_len, tc.mix_at(i))
-        return family.batch(rng, clean, c.mask_token_id, oc)
+        return family.batch(rng, clean, mask_id, oc)
 
+    return next_batch
+
+
+def _fit(c: ModelConfig, params, tc: TrainConfig, next_batch: Callable,
+         deadline: float | None, quiet: bool):
+    """Runs up to `tc.steps` optimizer steps from `params`, stopping early once the clock
+    passes `deadline` (a `time.monotonic()` value); returns (params, steps done, log,
+    whether the deadline stopped it)."""
+    tx = optimizer(tc)
+    opt_state = tx.init(params)
+    step = make_step(c, tx, tc.weights())
+    terms_of = FAMILIES[c.family].terms
     log, t0 = [], time.monotonic()
     batch = next_batch(1)
     i = 0
@@ -241,24 +280,19 @@ def train(out_dir: str | Path, tc: TrainConfig = TrainConfig(), model_kw: dict |
         params, opt_state, loss, terms = step(params, opt_state, *batch)
         batch = next_batch(i + 1)  # prepared while the step runs
         if i % tc.log_every == 0 or i == tc.steps or i == 1:
-            values = {k: float(v) for k, v in zip(family.terms, terms)}
+            values = {k: float(v) for k, v in zip(terms_of, terms)}
             log.append({"step": i, **values, "loss": float(loss),
                         "elapsed_s": round(time.monotonic() - t0, 1)})
             if not quiet:
-                sys.stderr.write(_bar(i, tc.steps, t0, values))
-                if i % (tc.log_every * 10) == 0:
-                    sys.stderr.write("\n")
-                sys.stderr.flush()
-        if max_minutes is not None and time.monotonic() - t_start > 60 * max_minutes:
-            say(f"\nstopping at step {i}: the {max_minutes} min limit")
-            break
-    jax.block_until_ready(params)
-    wall = time.monotonic() - t_start
-    say(f"\ntrained {i} steps in {wall / 60:.1f} min")
-    info = {"train_config": dataclasses.asdict(tc), "objective": dataclasses.asdict(oc),
-            "model": model_kw or {}, "steps_done": i, "params": int(n_params),
-            "wall_s": round(wall, 1), "log": log}
-    if out_dir is not None:
-        export.export(out_dir, c, params, tokenizer, extra=info, length=tc.seq_len)
-        say(f"saved to {out_dir}")
-    return c, params, info
+                _show_progress(i, tc, t0, values)
+        if deadline is not None and time.monotonic() > deadline:
+            return params, i, log, True
+    return params, i, log, False
+
+
+def _show_progress(i: int, tc: TrainConfig, t0: float, values: dict) -> None:
+    """Redraws the progress bar on stderr, starting a new line every ten log steps."""
+    sys.stderr.write(_bar(i, tc.steps, t0, values))
+    if i % (tc.log_every * 10) == 0:
+        sys.stderr.write("\n")
+    sys.stderr.flush()

@@ -9,13 +9,14 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from .. import layouts
-from ...sampling import Sampler
-from ..state import State, advance, propose, run_call, split, verify_draft
+from ...calls import run_call
+from ...sampling import Sampler, next_keys
+from ..state import State, advance, propose, verify_draft
 
 
 def step(m, params, s: State, *, B: int, sampler: Sampler) -> State:
     W = B - 1
-    s, (k_draft, k_verify) = split(s, 2, sampler)
+    s, (k_draft, k_verify) = next_keys(s, 2, sampler)
     call = layouts.draft_block(s.x, s.cache_len, B, m.mask_id)
     d_logits, _ = run_call(m, params, call, s.cache, s.cache_len, out_rows=jnp.arange(1, B))
     draft, q = propose(d_logits, sampler, m.mask_id, k_draft)  # unshifted: row j drafts c+j

@@ -14,13 +14,14 @@ import jax
 import jax.numpy as jnp
 
 from .. import layouts
-from ...sampling import Sampler
-from ..state import State, advance, propose, run_call, split, verify_draft
+from ...calls import run_call
+from ...sampling import Sampler, next_keys
+from ..state import State, advance, propose, verify_draft
 
 
 def step(m, params, s: State, *, B: int, sampler: Sampler) -> State:
     W = B - 1
-    s, (k_verify, k_draft) = split(s, 2, sampler)
+    s, (k_verify, k_draft) = next_keys(s, 2, sampler)
     call = layouts.packed(s.x, s.draft, s.cache_len, m.mask_id)
     rows = jnp.concatenate([jnp.arange(B), B + 1 + jnp.arange(W)])
     logits, kv = run_call(m, params, call, s.cache, s.cache_len, out_rows=rows)

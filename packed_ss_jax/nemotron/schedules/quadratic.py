@@ -11,13 +11,14 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from .. import layouts
-from ...sampling import Sampler
-from ..state import State, advance, propose, run_call, split, verify_draft
+from ...calls import run_call
+from ...sampling import Sampler, next_keys
+from ..state import State, advance, propose, verify_draft
 
 
 def step(m, params, s: State, *, B: int, sampler: Sampler) -> State:
     G = B + 1
-    s, (k_verify, k_draft) = split(s, 2, sampler)
+    s, (k_verify, k_draft) = next_keys(s, 2, sampler)
     call = layouts.quadratic(s.x, s.draft, s.cache_len, m.mask_id)
     logits, kv = run_call(m, params, call, s.cache, s.cache_len)
     logits = logits.reshape(B, G, -1)

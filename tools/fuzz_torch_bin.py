@@ -14,7 +14,7 @@ and then by reading the tensor and comparing it with the bytes it must come from
 other exception, a case over the time limit, or a side effect of the smuggled globals
 (a sentinel file) is a failure.
 
-    python -m benchmarks.fuzz_torch_bin --cases 100000 --seed 0
+    python -m tools.fuzz_torch_bin --cases 100000 --seed 0
 """
 
 from __future__ import annotations
@@ -794,7 +794,8 @@ def fixture_path() -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.fuzz_torch_bin",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", type=int, default=100_000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start", type=int, default=0, help="first case index (to rerun one)")

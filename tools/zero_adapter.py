@@ -6,7 +6,7 @@ drafts, the accepted tokens and the NFE are those of the model without it, and o
 extra products differ. The adapter has the release's layout (`linear_spec_lora/`, PEFT
 keys, o_proj, scale alpha / r = 4).
 
-    python -m benchmarks.zero_adapter OUT [--rank 16]
+    python -m tools.zero_adapter OUT [--rank 16]
 """
 
 from __future__ import annotations
@@ -48,11 +48,18 @@ def build(out: Path, rank: int = 16, seed: int = 0) -> Path:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("out", type=Path)
-    p.add_argument("--rank", type=int, default=16)
+    p = argparse.ArgumentParser(prog="python -m tools.zero_adapter",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path, help="directory to create (must not exist)")
+    p.add_argument("--rank", type=int, default=16, help="the adapter's rank r")
     args = p.parse_args(argv)
-    build(args.out, args.rank)
+    if args.rank < 1:
+        p.error(f"--rank must be at least 1, got {args.rank}")
+    try:
+        build(args.out, args.rank)
+    except OSError as e:  # FileExistsError among them
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"written {args.out}", file=sys.stderr)
     return 0
 

@@ -12,13 +12,14 @@ from pathlib import Path
 import numpy as np
 
 from .. import model as model_lib
+from ..checkpoints.assemble import Entry, assemble, decoder_table, merge
+from ..checkpoints.errors import CheckpointError
+from ..checkpoints.safetensors_io import SafetensorsDir
 from ..config import ConfigError, ModelConfig, float_field, int_field, read_hf_config
-from .assemble import Entry, assemble, decoder_table, merge
-from .errors import CheckpointError
-from .safetensors_io import SafetensorsDir
 
 LORA_DIR = "linear_spec_lora"
 LORA_PREFIX = "base_model.model.encoder.layers.{i}.self_attn.o_proj"
+
 
 def table(c: ModelConfig) -> list[Entry]:
     return decoder_table(c, "encoder.embed_tokens.weight", "encoder.layers.{i}.",

@@ -16,17 +16,18 @@ from pathlib import Path
 import numpy as np
 
 from .. import model as model_lib
+from ..checkpoints.assemble import Entry, assemble, decoder_table, slice_shape
+from ..checkpoints.errors import CheckpointError
+from ..checkpoints.safetensors_io import INDEX, SINGLE, SafetensorsDir
+from ..checkpoints.torch_bin import TorchBin
 from ..config import ModelConfig
-from .assemble import Entry, assemble, decoder_table, slice_shape
-from .errors import CheckpointError
-from .safetensors_io import INDEX, SINGLE, SafetensorsDir
-from .torch_bin import TorchBin
 
 PREFIX = "backbone.model."
 EMBED = PREFIX + "model.embed_tokens.weight"
 HEAD = PREFIX + "lm_head.weight"
 BIN = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
+
 
 def table(c: ModelConfig) -> list[Entry]:
     return decoder_table(c, EMBED, PREFIX + "model.layers.{i}.", PREFIX + "model.norm.weight", HEAD)

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Random bf16 checkpoints in the layout of the Nemotron-Labs-Diffusion releases.
 
 The released 3B and 8B weights cannot be downloaded here, but what the engine does with
@@ -7,7 +6,7 @@ directory `packed_ss_jax.load` reads as it would a release: `config.json`, shard
 `model-0000i-of-0000N.safetensors` with `model.safetensors.index.json`, and the draft-only
 adapter in `linear_spec_lora/` (PEFT `adapter_config.json` + `adapter_model.safetensors`).
 Tensor names and stored shapes come from the loader's own name table
-(`checkpoints.nemotron`), so the two cannot drift apart.
+(`nemotron.checkpoint`), so the two cannot drift apart.
 
 Weights are seeded normals, scaled so that a forward pass gives finite logits of a few
 units' spread: projections into a layer keep unit scale (std 1/sqrt(fan_in)), the two
@@ -16,8 +15,8 @@ is sized for logits of standard deviation about 4. Files are written tensor by t
 in row blocks (memory stays near BLOCK_BYTES whatever the model size), into a temporary
 directory renamed to `--out` once complete.
 
-    python -m benchmarks.synthetic_checkpoint --shape 3B --out /tmp/nld-3b   # 7.7 GB
-    python -m benchmarks.synthetic_checkpoint --shape tiny --out /tmp/nld-tiny
+    python -m tools.synthetic_checkpoint --shape 3B --out /tmp/nld-3b   # 7.7 GB
+    python -m tools.synthetic_checkpoint --shape tiny --out /tmp/nld-tiny
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ import ml_dtypes
 import numpy as np
 
 from packed_ss_jax import model as model_lib
-from packed_ss_jax.checkpoints import nemotron
+from packed_ss_jax.nemotron import checkpoint as nemotron
 from packed_ss_jax.families import parse_hf_config
 
 # Dimensions from the released config.json files (3B: hidden 3072, q_proj 3072 -> 4096;
@@ -237,7 +236,8 @@ def write(shape: str, out: str | Path, *, seed: int = 0, lora: bool = True,
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.synthetic_checkpoint",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), required=True)
     p.add_argument("--out", required=True, help="directory to create (must not exist)")
     p.add_argument("--seed", type=int, default=0)

@@ -1,0 +1,95 @@
+"""Running the app: the listening socket, and uvicorn's server with the drain on
+SIGTERM/SIGINT (see the package's docstring)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import signal
+import socket
+import threading
+from pathlib import Path
+
+import uvicorn
+
+from ..http_guard import Limits, protocol
+from .worker import Decoder
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket (port 0: a free port, read back with getsockname)."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address `host` names is this machine only."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return False
+    return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+def model_name(path: str | None) -> str:
+    """The model id a checkpoint is served under by default: its folder's name."""
+    return Path(path).name if path else "nld-tiny"
+
+
+def serve(app, sock: socket.socket, limits: Limits) -> bool:
+    """Serves `app` on the bound `sock` until SIGTERM/SIGINT, then drains (see the package
+    docstring) and returns whether its threads have ended. A decoder inside a compile, or
+    a tokenizer inside a long text, cannot be stopped, and the interpreter must not wait
+    for them or be torn down under them (`os._exit`, once the output is flushed)."""
+    # The connection limit is the protocol's (a JSON 503 as a connection opens), not
+    # uvicorn's limit_concurrency (plain text, once a request has been read).
+    config = uvicorn.Config(app, http=protocol(limits), lifespan="on", log_level="warning",
+                            timeout_keep_alive=limits.keep_alive_s,
+                            # after our own drain has ended every request
+                            timeout_graceful_shutdown=int(limits.drain_timeout_s) + 3)
+    state = app.app.state
+    _Draining(config, state.decoder, limits).run(sockets=[sock])
+    return not state.decoder.thread.is_alive() and not state.preparer.busy
+
+
+class _Draining(uvicorn.Server):
+    """uvicorn's server whose first exit signal starts the decoder's drain: new requests
+    get 503 at once, the ones in flight are ended with 503 at the drain deadline."""
+
+    def __init__(self, config, decoder: Decoder, limits: Limits):
+        super().__init__(config)
+        self.decoder, self.limits = decoder, limits
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        # uvicorn's own re-raises the signal once it has shut down, which would end a
+        # drained server with "killed by SIGTERM" (or a KeyboardInterrupt); a drained
+        # server exits with status 0.
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals reach the main thread only: its owner stops this server
+            return
+        handlers = {sig: signal.signal(sig, self.handle_exit)
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.decoder.draining:
+            self.decoder.draining = True
+            # A signal handler runs between two steps of the event loop, on its thread.
+            loop = asyncio.get_running_loop()
+            loop.call_soon_threadsafe(loop.call_later, self.limits.drain_timeout_s,
+                                      self.decoder.abort_all)
+        super().handle_exit(sig, frame)
