@@ -52,6 +52,22 @@ def run_compile_cache(tmp_path_factory):
     yield path
 
 
+@pytest.fixture(scope="module", autouse=True)
+def programs_per_module():
+    """The programs compiled for the models of one test module are freed after it: a
+    worker that held every module's programs would run out of memory maps (each
+    executable maps its code; the kernel allows 65530 per process). The next module reads
+    a program it shares from the run's persistent cache."""
+    yield
+    import gc
+
+    from packed_ss_jax import engine
+
+    for programs in list(engine._shared.values()):
+        programs.clear()
+    gc.collect()
+
+
 @pytest.fixture
 def no_compile_cache(run_compile_cache):
     """No persistent cache during one test (for tests that count compiles)."""
