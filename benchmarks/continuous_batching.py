@@ -24,7 +24,8 @@ import packed_ss_jax as ps
 from packed_ss_jax.bench import measure, tasks
 
 
-def main(argv=None) -> int:
+def _arguments(argv) -> tuple[argparse.Namespace, list[int]]:
+    """The parsed command line and the values of k (`--every`) to measure."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.continuous_batching",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--schedule", default="ar")
@@ -47,9 +48,12 @@ def main(argv=None) -> int:
     if min(every) < 1:
         p.error(f"--every: iterations between round trips must be integers >= 1, "
                 f"got {args.every!r}")
+    return args, every
 
-    model = ps.load()
-    prompts = tasks.load("arithmetic", None, args.prompts)
+
+def _timed_passes(model, prompts, args, every: list[int]) -> dict:
+    """Every pass over the queue, static and for each k: "static" -> measure.run's
+    results, k -> decode_continuous's (results, stats); compiled before the first."""
     s, N = args.schedule, args.slots
     width = {} if s == "ar" else {"block_size": args.block_size}
     kw = dict(schedule=s, max_new_tokens=args.max_new_tokens, cache_size=args.capacity,
@@ -74,6 +78,12 @@ def main(argv=None) -> int:
         passes["static"].append(static())
         for k in every:
             passes[k].append(queue(k))
+    return passes
+
+
+def _rows(passes: dict, every: list[int], N: int) -> list[dict]:
+    """One row per way (static, then each k), from its fastest pass; checks that every
+    way gives each prompt as many tokens as static batching."""
     d = min(passes["static"], key=lambda d: sum(d["wall_s"]))
     tokens, static_wall = sum(d["tokens"]), sum(d["wall_s"])
     rows = [dict(mode="static", slots=N, every=None, tokens=tokens, wall_s=static_wall,
@@ -89,8 +99,13 @@ def main(argv=None) -> int:
                          forward_calls=st.forward_calls, steps=st.steps,
                          refill_calls=st.refill_calls, round_trips=st.round_trips,
                          host_fraction=st.host_fraction))
-    print(f"{s}, {len(prompts)} prompts, {N} slots, max_new_tokens {args.max_new_tokens}, "
-          f"fastest of {args.repeats}")
+    return rows
+
+
+def _print_table(rows: list[dict], args, n_prompts: int) -> None:
+    """The rows as a Markdown table, under a line naming the setup."""
+    print(f"{args.schedule}, {n_prompts} prompts, {args.slots} slots, max_new_tokens "
+          f"{args.max_new_tokens}, fastest of {args.repeats}")
     print("| mode | k | tokens | wall (s) | throughput (tok/s) | vs static | batched calls "
           "| refill calls | round trips | host share |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -100,8 +115,17 @@ def main(argv=None) -> int:
               f"{r['throughput_tok_s']:.1f} | {r['ratio_to_static']:.2f}x | "
               f"{r['forward_calls']} | {r.get('refill_calls', '-')} | "
               f"{r.get('round_trips', '-')} | {host} |")
+
+
+def main(argv=None) -> int:
+    args, every = _arguments(argv)
+    model = ps.load()
+    prompts = tasks.load("arithmetic", None, args.prompts)
+    rows = _rows(_timed_passes(model, prompts, args, every), every, args.slots)
+    _print_table(rows, args, len(prompts))
     if args.json:
-        Path(args.json).write_text(json.dumps({"schedule": s, "prompts": len(prompts),
+        Path(args.json).write_text(json.dumps({"schedule": args.schedule,
+                                               "prompts": len(prompts),
                                                "repeats": args.repeats, "rows": rows},
                                               indent=1) + "\n")
     return 0

@@ -25,7 +25,8 @@ PROMPT = ("Question: Ava has 12 apples. Ava gets 7 more apples. How many apples 
           "now?\nAnswer:")
 
 
-def main(argv=None) -> int:
+def _arguments(argv) -> argparse.Namespace:
+    """The parsed command line."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.stream_overhead",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="checkpoint (default: the embedded nld-tiny)")
@@ -33,16 +34,12 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=256, help="max_new_tokens (EOS ignored)")
     p.add_argument("--chunks", default=f"4,8,{engine.DEFAULT_CHUNK},32")
     p.add_argument("--repeat", type=int, default=15)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
-    model = ps.load(args.model)
-    e = Engine.of(model)
-    request = e.request(PROMPT, DecodeOptions(schedule=args.schedule, max_new_tokens=args.tokens,
-                                              eos_id=None))
-    chunks = [int(k) for k in args.chunks.split(",")]
-    one = e.decode(request)  # compiles
-    for k in chunks:
-        assert [t for c in e.stream(request, k) for t in c] == one.tokens
+
+def _interleaved_times(e: Engine, model, request, chunks: list[int], repeat: int) -> dict:
+    """Wall times (s) per way of decoding: "one-shot", "k=K" and "k=K + text" (the chunks
+    detokenized as they come), `repeat` of each."""
 
     def chunked(k, text: bool):
         t0 = time.perf_counter()
@@ -57,11 +54,16 @@ def main(argv=None) -> int:
 
     times = {"one-shot": []} | {f"k={k}": [] for k in chunks} | \
             {f"k={k} + text": [] for k in chunks}
-    for _ in range(args.repeat):  # interleaved, so drifts in machine load hit all alike
+    for _ in range(repeat):  # interleaved, so drifts in machine load hit all alike
         times["one-shot"].append(oneshot())
         for k in chunks:
             times[f"k={k}"].append(chunked(k, False))
             times[f"k={k} + text"].append(chunked(k, True))
+    return times
+
+
+def _empty_launch_times(e: Engine, request) -> list[float]:
+    """Wall times (s) of 200 launches that run no loop iteration."""
     # The fixed cost of one launch: a generate that runs no iteration (k = 0: dispatch,
     # the donated state, the progress read back). Best of many, so load hides less.
     c = e.stream(request, 1)
@@ -72,6 +74,11 @@ def main(argv=None) -> int:
         c.state, progress = e._generate(c.state, 0, request.program)
         jax.device_get(progress)
         empty.append(time.perf_counter() - t0)
+    return empty
+
+
+def _print_report(model, args, one, times: dict, chunks: list[int], empty: list[float]) -> None:
+    """The table of wall times against one-shot, then the launch cost and what it adds."""
     launch = min(empty)
     base, best = statistics.median(times["one-shot"]), min(times["one-shot"])
     print(f"{model.source}: {args.schedule}, {len(one.tokens)} tokens, {one.iterations} "
@@ -91,6 +98,20 @@ def main(argv=None) -> int:
         launches = 1 + -(-(one.iterations - 1) // k)
         print(f"k={k}: {launches - 1} extra launches x best launch cost = "
               f"{100 * (launches - 1) * launch / best:.2f} % of the best one-shot wall")
+
+
+def main(argv=None) -> int:
+    args = _arguments(argv)
+    model = ps.load(args.model)
+    e = Engine.of(model)
+    request = e.request(PROMPT, DecodeOptions(schedule=args.schedule, max_new_tokens=args.tokens,
+                                              eos_id=None))
+    chunks = [int(k) for k in args.chunks.split(",")]
+    one = e.decode(request)  # compiles
+    for k in chunks:
+        assert [t for c in e.stream(request, k) for t in c] == one.tokens
+    times = _interleaved_times(e, model, request, chunks, args.repeat)
+    _print_report(model, args, one, times, chunks, _empty_launch_times(e, request))
     return 0
 
 

@@ -17,7 +17,7 @@ from .families import FAMILIES
 from .loading import load
 from .model import Model
 from .options import DecodeOptions
-from .requests import InputError
+from .validate import InputError
 from .results import NonFiniteError
 from .sharding import make_mesh
 

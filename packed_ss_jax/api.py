@@ -15,14 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import chat, continuous, families, options as options_lib, requests, stops
+from . import chat, continuous, families, options as options_lib, stops, validate
 from .config import ModelConfig
 from .detokenize import Detokenizer
 from .engine import DEFAULT_CHUNK, Engine, Streaming
 from .options import DecodeOptions, Request
 from .results import DecodeResult
 from .model import Model
-from .requests import InputError, InputTypeError
+from .validate import InputError, InputTypeError
 
 __all__ = ["DecodeResult", "StreamChunk", "decode", "decode_continuous", "decoder", "logits",
            "stream"]
@@ -48,7 +48,7 @@ def as_model(model, config: ModelConfig | None = None):
             raise InputTypeError(f"with config=, pass the params tree (a dict), got "
                                  f"{type(model).__name__}")
         return Model(config=config, params=model)
-    requests.check_model(model)
+    validate.check_model(model)
     return model
 
 
@@ -58,7 +58,7 @@ def is_batch(prompt) -> bool:
     if isinstance(prompt, np.ndarray):
         return prompt.ndim == 2
     return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
-            and not any(requests.is_int(p) for p in prompt))
+            and not any(validate.is_int(p) for p in prompt))
 
 
 def chat_prompt(model, messages, chat_template_kwargs: Mapping | None = None, *,
@@ -71,7 +71,7 @@ def chat_prompt(model, messages, chat_template_kwargs: Mapping | None = None, *,
     kwargs = chat.template_kwargs(chat_template_kwargs)
     kwargs.setdefault("add_generation_prompt", True)
     text = chat.of(model, time_limit=time_limit, max_chars=max_chars).render(messages, **kwargs)
-    return requests.encode(model.tokenizer, text, add_special_tokens=False)
+    return validate.encode(model.tokenizer, text, add_special_tokens=False)
 
 
 def _prompt(model, prompt, messages, chat_template_kwargs):
@@ -177,8 +177,8 @@ def decode_continuous(model, prompts: Sequence, *, slots: int = 8, every: int = 
     (their KV caches) must fit in the free memory, which is checked before anything is
     allocated.
     """
-    slots = requests.integer(slots, "slots", 1, requests.INT32_MAX, "slot indices are int32")
-    every = requests.integer(every, "every", 1, requests.INT32_MAX,
+    slots = validate.integer(slots, "slots", 1, validate.INT32_MAX, "slot indices are int32")
+    every = validate.integer(every, "every", 1, validate.INT32_MAX,
                              "the loop counts iterations in int32")
     options = DecodeOptions(schedule, block_size, window, order, temperature, top_k, top_p,
                             max_new_tokens, eos_id, stop_sequences, cache_size)
@@ -322,7 +322,7 @@ def logits(model, tokens, positions, mask, draft_rows=None, *,
     if tokens.ndim != 1 or positions.shape != (T,) or mask.shape != (T, T):
         raise InputError(f"expected tokens [T], positions [T], mask [T, T]; got {tokens.shape}, "
                          f"{positions.shape}, {mask.shape}")
-    requests.check_ids(tokens, model.vocab_size, "tokens")
+    validate.check_ids(tokens, model.vocab_size, "tokens")
     rows = np.zeros(T, bool) if draft_rows is None else np.asarray(draft_rows, bool)
     out, _ = Engine.of(model).forward(jnp.asarray(tokens, jnp.int32),
                                       jnp.asarray(positions, jnp.int32), jnp.asarray(mask),

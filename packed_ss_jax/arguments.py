@@ -42,7 +42,7 @@ def _expected() -> tuple[type[BaseException], ...]:
     from .config import ConfigError
     from .checkpoints.store import DestinationError
     from .results import NonFiniteError
-    from .requests import InputError
+    from .validate import InputError
 
     # NonFiniteError: a checkpoint whose numbers overflow to NaN/Inf is a bad input, not a
     # bug of the package; the message says where decoding stopped.
@@ -157,7 +157,7 @@ def text(value: str) -> str:
     """Command-line text (a prompt, a stop marker, a system message). Python decodes argv
     with surrogateescape, so bytes that are not UTF-8 arrive as lone surrogates, which no
     tokenizer takes: refused here rather than deep inside the tokenizer."""
-    from .requests import InputError, text as checked
+    from .validate import InputError, text as checked
 
     try:
         return checked(value, "the value")

@@ -30,8 +30,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from . import requests, template_render
-from .requests import InputError, InputTypeError
+from . import template_render, validate
+from .validate import InputError, InputTypeError
 from .template_render import MAX_CHARS, TIME_LIMIT, RenderFailure, memory_limit
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -165,7 +165,7 @@ def _limits(time_limit, max_chars) -> tuple[float, int]:
             or not math.isfinite(time_limit) or time_limit <= 0):
         raise InputError(f"time_limit must be a positive number of seconds, got "
                          f"{time_limit!r}")
-    return float(time_limit), requests.integer(max_chars, "max_chars", 1)
+    return float(time_limit), validate.integer(max_chars, "max_chars", 1)
 
 
 def check_messages(messages, size: list | None = None) -> list[dict]:
@@ -206,7 +206,7 @@ def _plain(value, path: tuple, size: list, depth: int = 0):
     # builtins, so it never imports the modules that define them.
     if isinstance(value, str):
         size[0] += len(value)
-        return requests.text(str.__str__(value), _where(path))
+        return validate.text(str.__str__(value), _where(path))
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, numbers.Integral):

@@ -82,7 +82,7 @@ def check_token_ids(c: "ModelConfig") -> None:
     """Raises FieldError unless the eos and bos ids are rows of the vocabulary: required of
     a config read from a checkpoint (the MASK id always is: ModelConfig checks it). A
     ModelConfig built in code may name an eos outside it; a decode request then says so
-    (see requests.py)."""
+    (see validate.py)."""
     for name in ("eos_token_id", "bos_token_id"):
         _id_in_vocab(c, name)
 

@@ -20,7 +20,9 @@ split over "data", each call tensor-parallel over "model".
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import os
 import time
 import weakref
 from typing import Any, Callable, Iterator
@@ -29,11 +31,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import batched, compile_cache, families, options as options_lib, requests, sharding, stops
+from . import (batched, compile_cache, families, options as options_lib, sharding, stops,
+               validate)
 from .options import Batch, DecodeOptions, Program, Request
 from .results import DecodeResult, check_finite, of_outcome
 
 DEFAULT_CHUNK = 16   # loop iterations per launch when streaming
+DEFAULT_MAX_PROGRAMS = 32
 
 
 @dataclasses.dataclass
@@ -48,7 +52,7 @@ class Prefix:
 class Progress:
     """What `generate` hands back, per slot (host arrays, leading axis the slots)."""
 
-    tokens: np.ndarray     # [N, C] output buffers
+    tokens: np.ndarray     # [N, capacity] output buffers
     final: np.ndarray      # [N] leading tokens no later iteration changes or drops
     done: np.ndarray       # [N] the slot has stopped
     stopped: np.ndarray    # [N] a stop marker (EOS among them) ended it ("stop", else "length")
@@ -72,8 +76,57 @@ def to_host(out):
     return multihost_utils.process_allgather(out, tiled=True)
 
 
+def max_programs() -> int:
+    """How many compiled programs all engines of this process hold together
+    (`PACKED_SS_MAX_PROGRAMS`, default DEFAULT_MAX_PROGRAMS): each compiled CPU program
+    maps hundreds of memory regions and a process may map 65530, so a process that meets
+    many shapes (a server, a test run) must let old programs go. One used again is
+    compiled again, or read back from the persistent compilation cache."""
+    value = os.environ.get("PACKED_SS_MAX_PROGRAMS", "")
+    try:
+        return max(int(value), 1) if value else DEFAULT_MAX_PROGRAMS
+    except ValueError:
+        raise ValueError(f"PACKED_SS_MAX_PROGRAMS must be a positive integer, "
+                         f"got {value!r}") from None
+
+
 class Programs(dict):
-    """Compiled programs by key (a dict that can be held weakly)."""
+    """Compiled programs by name (a dict that can be held weakly). Every store of the
+    process counts toward `max_programs()`; past it, the least recently used program of
+    any store is dropped."""
+
+    def used(self, name):
+        """The program of `name` (None if not held), now the most recently used."""
+        exe = self.get(name)
+        if exe is not None:
+            _recent[(id(self), name)] = weakref.ref(self)
+            _recent.move_to_end((id(self), name))
+        return exe
+
+    def hold(self, name, exe) -> None:
+        self[name] = exe
+        _recent[(id(self), name)] = weakref.ref(self)
+        for k, store in list(_recent.items()):  # entries of stores gone
+            if store() is None:
+                del _recent[k]
+        while len(_recent) > max_programs():
+            (_, old), store = _recent.popitem(last=False)
+            if (held := store()) is not None:
+                held.pop(old, None)
+
+
+# Every held program, least recently used first: (id of its store, name) -> its store.
+_recent: collections.OrderedDict = collections.OrderedDict()
+
+
+def clear_programs() -> None:
+    """Lets go of every compiled program the engines of this process hold (to free their
+    memory between jobs); a program asked for again is compiled again, or read back from
+    the persistent compilation cache."""
+    for key, store in list(_recent.items()):
+        if (held := store()) is not None:
+            held.pop(key[1], None)
+    _recent.clear()
 
 
 # Program stores by (model config, weights' placement), held weakly: alive while an engine
@@ -105,7 +158,7 @@ class Engine:
     """
 
     def __init__(self, model, programs: Programs | None = None):
-        requests.check_model(model)
+        validate.check_model(model)
         self.model = model
         self.family = families.of(model.config)
         self.mesh = sharding.mesh_of(model.params)
@@ -145,22 +198,23 @@ class Engine:
 
     # --- compiling and placing -------------------------------------------------------------
 
-    def compile(self, key, fn: Callable, *args, donate: tuple[int, ...] = ()):
-        """`fn` lowered and compiled for `args` once per hashable `key`; the executable and
+    def compile(self, name, fn: Callable, *args, donate: tuple[int, ...] = ()):
+        """`fn` lowered and compiled for `args` once per hashable `name`; the executable and
         the seconds spent compiling now. `donate`: the arguments whose buffers the program
         may reuse for its outputs (a state updated in place)."""
-        if key in self._programs:
-            return self._programs[key], 0.0
+        exe = self._programs.used(name)
+        if exe is not None:
+            return exe, 0.0
         compile_cache.ensure()
         t0 = time.perf_counter()
         exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
-        self._programs[key] = exe
+        self._programs.hold(name, exe)
         seconds = time.perf_counter() - t0
         self.compile_s += seconds
         return exe, seconds
 
     def executables(self) -> dict:
-        """The compiled programs so far, by key (for profiling: `.as_text()`)."""
+        """The compiled programs held, by name (for profiling: `.as_text()`)."""
         return dict(self._programs)
 
     def place(self, args, batch: int | None = None):
@@ -257,9 +311,9 @@ class Engine:
     def _slot_programs(self, program: Program, slots: int):
         """(pin, insert, generate, outcome): the functions over a batched state of `slots`
         sequences of `program`, compiled by the methods below."""
-        key = (_slot(program), slots)
-        if key in self._slot_fns:
-            return self._slot_fns[key]
+        shape = (_slot(program), slots)
+        if shape in self._slot_fns:
+            return self._slot_fns[shape]
         loop, pin = self.loop(program), self.pinned(slots)
         step_all = batched.step_batch(loop.step)
 
@@ -277,7 +331,7 @@ class Engine:
             return pin(put)
 
         fns = (pin, insert, generate, jax.vmap(loop.outcome))
-        self._slot_fns[key] = fns
+        self._slot_fns[shape] = fns
         return fns
 
     def prefill(self, request: Request) -> Prefix:
@@ -316,7 +370,7 @@ class Engine:
         program = prefix.request.program
         n = int(state.done.shape[0])
         insert = self._slot_programs(program, n)[1]
-        slot = self.place(np.int32(requests.integer(slot, "slot", 0, n - 1)))
+        slot = self.place(np.int32(validate.integer(slot, "slot", 0, n - 1)))
         exe, _ = self.compile(("insert", _slot(program), n), insert, state, prefix.state, slot,
                               donate=(0,))
         return exe(state, prefix.state, slot)
@@ -331,7 +385,7 @@ class Engine:
         """`generate` without reading the progress back (it stays on the device)."""
         n = int(state.done.shape[0])
         generate = self._slot_programs(program, n)[2]
-        k = self.place(np.int32(requests.integer(k, "k", 0, requests.INT32_MAX,
+        k = self.place(np.int32(validate.integer(k, "k", 0, validate.INT32_MAX,
                                                  "the loop counts iterations in int32")))
         exe, _ = self.compile(("generate", _slot(program), n), generate, self.model.params,
                               state, k, donate=(1,))
@@ -376,7 +430,7 @@ class Streaming:
 
     def __init__(self, engine: Engine, request: Request, k: int = DEFAULT_CHUNK):
         self.engine, self.request = engine, request
-        self.k = requests.integer(k, "chunk", 1, requests.INT32_MAX,
+        self.k = validate.integer(k, "chunk", 1, validate.INT32_MAX,
                                   "the loop counts iterations in int32")
         self.state, self.tokens, self.count, self.done = None, None, 0, False
         self.stopped = False

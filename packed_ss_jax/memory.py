@@ -13,7 +13,7 @@ import os
 
 import jax
 
-from .requests import InputError
+from .validate import InputError
 
 
 def state_bytes(config, program, max_new: int) -> tuple[int, int]:

@@ -24,8 +24,8 @@ layers run under `nn.scan`, so compile time does not grow with depth. Decoding:
 `layer_0 .. layer_{L-1}`, one buffer per weight, the layers unrolled. The decoding
 layout exists because a scanned layer slices its weights out of the stacked buffers
 at a traced index, and XLA materialises those slices: every call would copy all the
-weights once more before reading them (on the embedded model that copy was 60% of an
-AR step). `unstack_layers` / `stack_layers` convert; `forward` takes either.
+weights once more before reading them (docs/performance.md measures the cost).
+`unstack_layers` / `stack_layers` convert; `forward` takes either.
 The Nemotron (Ministral-3) and SetDLM (Qwen3: per-head q/k RMSNorm, tied head)
 backbones are the same module with different config switches.
 """
@@ -165,13 +165,12 @@ class Attention(nn.Module):
 # Live-length attention (see `attend`): the backends that use it, the shortest cache it
 # is used for, and the slots it reads per step.
 #
-# Measured on a 2-core CPU at the embedded model's shape (benchmarks/attention_timing.py):
-# with a 4096-slot cache, calls of 1 to 16 rows ran 2.5-3.6x faster with 300 live slots
-# and 1.05-1.8x slower with 4000 (every chunk is copied out of the buffer before its
-# product); at 264 slots it did not pay at all. It is off on GPUs: an XLA
-# while loop there waits for the host on each trip unless it runs as a CUDA graph, and
-# that would be layers x chunks waits per call, against a full read of a 4096-slot cache
-# of 0.44 GB (3B) or 0.58 GB (8B): about 0.1 ms at H200 bandwidth.
+# On a CPU, reading only the live chunks pays for a large cache that is mostly empty, and
+# costs more for a full one (every chunk is copied out of the buffer before its product)
+# or a small one (`python -m benchmarks.attention_timing`; docs/performance.md). It is
+# off on GPUs: an XLA while loop there waits for the host on each trip unless it runs as
+# a CUDA graph, layers x chunks waits per call, where reading the whole cache takes a
+# fraction of a millisecond at HBM bandwidth.
 LIVE_ATTENTION = ("cpu",)
 LIVE_MIN_SLOTS = 1024
 CHUNK = 256
@@ -225,19 +224,19 @@ def _attend_live(scores_over, mix, cache_kv: KV, seen, dt, lead):
     """The cache block of `attend`, read CHUNK slots at a time up to the last seen slot
     (an online softmax): returns the running max, sum and weighted values."""
     S = cache_kv["k"].shape[cache_lib.SLOT_AXIS]
-    C = chunk_size(S)
+    chunk = chunk_size(S)
     live = jnp.max(jnp.where(seen, jnp.arange(1, S + 1), 0))
-    slot = jnp.arange(C)
+    slot = jnp.arange(chunk)
 
     def step(i, carry):
         m, l, acc = carry
         # The last chunk is moved back to end at S (a slice must stay in the buffer); the
         # slots it shares with the chunk before were counted there already.
-        start = jnp.minimum(i * C, S - C)
+        start = jnp.minimum(i * chunk, S - chunk)
         keys, values = (cache_lib.loaded(
-            jax.lax.dynamic_slice_in_dim(cache_kv[n], start, C, axis=cache_lib.SLOT_AXIS), dt)
+            jax.lax.dynamic_slice_in_dim(cache_kv[n], start, chunk, axis=cache_lib.SLOT_AXIS), dt)
             for n in ("k", "v"))
-        ok = jax.lax.dynamic_slice_in_dim(seen, start, C) & (start + slot >= i * C)
+        ok = jax.lax.dynamic_slice_in_dim(seen, start, chunk) & (start + slot >= i * chunk)
         s = jnp.where(ok, scores_over(keys), _NEG)
         top = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.where(ok, jnp.exp(s - top[..., None]), 0.0)
@@ -247,7 +246,7 @@ def _attend_live(scores_over, mix, cache_kv: KV, seen, dt, lead):
     D = cache_kv["k"].shape[-1]
     init = (jnp.full(lead, _NEG, jnp.float32), jnp.zeros(lead, jnp.float32),
             jnp.zeros(lead + (D,), jnp.float32))
-    return jax.lax.fori_loop(0, (live + C - 1) // C, step, init)
+    return jax.lax.fori_loop(0, (live + chunk - 1) // chunk, step, init)
 
 
 class MLP(nn.Module):

@@ -21,9 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import memory, requests, sampling, stops
-from .requests import InputError
-from .sampling import Sampler, Sampling
+from . import memory, sampling, stops, validate
+from .sampling import Sampling
 
 MIN_BUCKET = 16
 MIN_CAPACITY = 128
@@ -126,44 +125,10 @@ def capacity_for(need: int) -> int:
     return _power_of_two(need, MIN_CAPACITY)
 
 
-def _choice(value, name: str, choices, where: str = "") -> str:
-    if not isinstance(value, str) or value not in choices:
-        raise InputError(f"unknown {name} {value!r}{where}; expected one of {sorted(choices)}")
-    return value
-
-
-def check_schedule(family, schedule, order, sampler: Sampler) -> None:
-    """The schedule, order and sampling combination is one the family decodes."""
-    _choice(schedule, "schedule", family.schedules, f" for {family.title} models")
-    if order != family.orders[0]:
-        if len(family.orders) == 1:
-            raise InputError(f"order {order!r}: {family.title} models verify in one order "
-                             f"only, order={family.orders[0]!r}")
-        _choice(order, "order", family.orders)
-        if schedule in family.orderless:
-            raise InputError(f"schedule {schedule!r} has no verification order; use "
-                             f"order={family.orders[0]!r}")
-    if not sampler.greedy:
-        if schedule not in family.sampled:
-            raise InputError(f"schedule {schedule!r} is greedy only: temperature must be 0; "
-                             f"sampling is supported by {sorted(family.sampled)}")
-        if order != family.orders[0]:
-            raise InputError("any-order sampling is not supported: temperature > 0 needs "
-                             f"order={family.orders[0]!r}")
-
-
-def width_of(family, options: DecodeOptions) -> int | None:
-    """The request's width under the family's own argument name (block_size or window)."""
-    given = {"block_size": options.block_size, "window": options.window}
-    other = [name for name, v in given.items() if v is not None and name != family.width_name]
-    if other:
-        raise InputError(f"{family.title} models take {family.width_name}=, not {other[0]}=")
-    return given[family.width_name]
-
-
 def plan(family, config, options: DecodeOptions, *, tokenizer=None, prompt_len=None):
     """The program (bucket 0: set once the prompt is known), the traced limits and the
-    length limit of `options`, every option checked.
+    length limit of `options`, every option checked (and with `prompt_len`, that the
+    request fits the cache).
 
     Without a `cache_size`, the capacity is sized to the request: prompt + max_new_tokens
     rounded up to a power of two (at least MIN_CAPACITY), so attention reads a buffer the
@@ -171,27 +136,18 @@ def plan(family, config, options: DecodeOptions, *, tokenizer=None, prompt_len=N
     (`decoder`, before the prompt's shape is known) it is min(DEFAULT_CACHE_SIZE,
     max_position_embeddings)."""
     o = options
-    sampler = requests.sampler(o.temperature, o.top_k, o.top_p)
-    check_schedule(family, o.schedule, o.order, sampler)
-    width = width_of(family, o)
-    if width is None:
-        width = config.block_size
-    width = family.width(o.schedule, requests.integer(
-        width, family.width_name, family.min_width, requests.MAX_CACHE,
-        "a block must fit the cache, whose positions are int32"))
-    max_new = requests.integer(o.max_new_tokens, "max_new_tokens", 1, requests.MAX_CACHE,
-                               "prompt + max_new_tokens must fit the cache, whose positions "
-                               "are int32")
-    eos = requests.eos_id(o.eos_id, config, config.vocab_size)
-    limits = {**stops.limits(tokenizer, config.vocab_size, max_new, eos, o.stop_sequences),
-              **sampling.traced_values(sampler)}
-    need = None if prompt_len is None else max(prompt_len + max_new, width)
-    capacity = requests.cache_size(o.cache_size, config, block=width,
+    c = validate.decode_options(family, config, o)
+    limits = {**stops.limits(tokenizer, config.vocab_size, c.max_new, c.eos, o.stop_sequences),
+              **sampling.traced_values(c.sampler)}
+    need = None if prompt_len is None else max(prompt_len + c.max_new, c.width)
+    capacity = validate.cache_size(o.cache_size, config, block=c.width,
                                    block_name=family.width_name,
                                    default=DEFAULT_CACHE_SIZE if need is None else
                                    capacity_for(need))
-    program = Program(family.name, o.schedule, width, 0, capacity, sampler.sampling, o.order)
-    return program, limits, max_new
+    if prompt_len is not None:
+        validate.fits(prompt_len, c.max_new, capacity)
+    program = Program(family.name, o.schedule, c.width, 0, capacity, c.sampler.sampling, o.order)
+    return program, limits, c.max_new
 
 
 def read_once(options: DecodeOptions) -> DecodeOptions:
@@ -202,9 +158,8 @@ def read_once(options: DecodeOptions) -> DecodeOptions:
 
 def _sized(model, program: Program, prompt_len: int, max_new: int, at_once: int = 1,
            hint: str | None = None) -> Program:
-    """`program` with its prompt bucket, once the request is known to fit the cache and
-    its decode state the free memory."""
-    requests.fits(prompt_len, max_new, program.capacity)
+    """`program` with its prompt bucket, once its decode state is known to fit the free
+    memory."""
     program = dataclasses.replace(program, bucket=bucket_for(prompt_len, program.capacity))
     memory.check(model, program, max_new, at_once, *(() if hint is None else (hint,)))
     return program
@@ -212,27 +167,13 @@ def _sized(model, program: Program, prompt_len: int, max_new: int, at_once: int 
 
 def request(model, family, prompt, options: DecodeOptions, seed=0) -> Request:
     """A checked request for one prompt (text or token ids)."""
-    seed = requests.seed(seed)
-    ids = requests.prompt_ids(model, prompt)
     options = read_once(options)
+    seed = validate.seed(seed)
+    ids = validate.prompt_ids(model, prompt)
     program, limits, max_new = plan(family, model.config, options, prompt_len=len(ids),
                                     tokenizer=getattr(model, "tokenizer", None))
     program = _sized(model, program, len(ids), max_new)
     return Request(program, ids, limits, seed, max_new, stops.texts(options.stop_sequences))
-
-
-def _seeds(seed, n: int) -> list[int]:
-    """One seed per prompt: `seed` for all, or the list of one per prompt."""
-    if requests.is_int(seed):
-        return [requests.seed(seed)] * n
-    if isinstance(seed, (str, bytes)) or not hasattr(seed, "__iter__"):
-        raise InputError(f"seed must be an integer in [0, 2**32) or a list of one per prompt, "
-                         f"got {seed!r:.80}")
-    seeds = [int(x) for x in requests.seeds(seed, "seed")]
-    if len(seeds) != n:
-        raise InputError(f"seed: {len(seeds)} seeds for {n} prompts; give one seed or one "
-                         "per prompt")
-    return seeds
 
 
 def batch(model, family, prompts, options: DecodeOptions, seed=0,
@@ -242,10 +183,10 @@ def batch(model, family, prompts, options: DecodeOptions, seed=0,
     are padded to the bucket of the longest, the cache sized for the longest request.
     `sequences`: how many are decoded at once (a queue's slots; default all), for the
     memory check."""
-    prompts = requests.prompt_list(prompts)
-    ids = [requests.prompt_ids(model, p, f"prompts[{i}]: ") for i, p in enumerate(prompts)]
-    seeds = _seeds(seed, len(ids))
     options = read_once(options)
+    prompts = validate.prompt_list(prompts)
+    ids = [validate.prompt_ids(model, p, f"prompts[{i}]: ") for i, p in enumerate(prompts)]
+    seeds = validate.seeds_for(seed, len(ids))
     longest = max(len(x) for x in ids)
     program, limits, max_new = plan(family, model.config, options, prompt_len=longest,
                                     tokenizer=getattr(model, "tokenizer", None))

@@ -18,8 +18,8 @@ from collections.abc import Iterable, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from . import requests
-from .requests import InputError, InputTypeError
+from . import validate
+from .validate import InputError, InputTypeError
 
 MAX_STOPS = 8       # stop markers per request (EOS included)
 MAX_STOP_LEN = 16   # tokens per marker
@@ -43,7 +43,7 @@ def markers(stop_sequences) -> tuple:
                          "included)")
     for i, seq in enumerate(seqs):
         if isinstance(seq, str):
-            requests.text(seq, f"stop sequence {i}")
+            validate.text(seq, f"stop sequence {i}")
     return seqs
 
 
@@ -65,13 +65,13 @@ def table(tokenizer, vocab: int, eos_id: int | None, stop_sequences) -> dict:
             if not seq:
                 raise InputError("empty stop sequence: every stop marker needs at least one "
                                  "character")
-            seq = requests.encode(tokenizer, seq, add_special_tokens=False)
-        if requests.is_int(seq):
+            seq = validate.encode(tokenizer, seq, add_special_tokens=False)
+        if validate.is_int(seq):
             seq = [seq]
         elif isinstance(seq, Iterable) and not hasattr(seq, "__len__"):
             seq = list(itertools.islice(seq, MAX_STOP_LEN + 1))  # it may never end
         try:
-            seq = requests.token_list(seq, "stop sequence")
+            seq = validate.token_list(seq, "stop sequence")
         except InputTypeError:
             raise InputTypeError(f"stop sequence {seq!r:.80} must be integer token ids (or a "
                                  "string)") from None
@@ -80,7 +80,7 @@ def table(tokenizer, vocab: int, eos_id: int | None, stop_sequences) -> dict:
         if len(seq) > MAX_STOP_LEN:
             raise InputError(f"stop sequence of {len(seq)} tokens is longer than {MAX_STOP_LEN} "
                              "tokens")
-        found.append(requests.id_array(seq, vocab, "stop sequence").tolist())
+        found.append(validate.id_array(seq, vocab, "stop sequence").tolist())
     if eos_id is not None:
         found.append([eos_id])
     tok = np.zeros((MAX_STOPS, MAX_STOP_LEN), np.int32)
@@ -107,17 +107,17 @@ def texts(stop_sequences) -> tuple[str, ...]:
 # --- on device --------------------------------------------------------------------------------
 
 
-def ends_in_new(out, n_out, new, count, stop_tok, stop_len):
+def ends_in_new(out, n_tokens, new, count, stop_tok, stop_len):
     """[A] bool: a marker's last token is new[k] (k < count), for the output
-    out[:n_out] + new[:count] (a prefix output: Nemotron's)."""
+    out[:n_tokens] + new[:count] (a prefix output: Nemotron's)."""
     A = new.shape[0]
     K, Lm = stop_tok.shape
-    pos = n_out + jnp.arange(A)                              # position of new[k]
+    pos = n_tokens + jnp.arange(A)                              # position of new[k]
     j = jnp.arange(Lm)
     q = pos[:, None] - j[None, :]                            # [A, Lm] position j tokens back
-    from_new = jnp.take(new, jnp.clip(q - n_out, 0, A - 1))
+    from_new = jnp.take(new, jnp.clip(q - n_tokens, 0, A - 1))
     from_out = jnp.take(out, jnp.clip(q, 0, out.shape[0] - 1))
-    seq = jnp.where(q >= n_out, from_new, from_out)          # [A, Lm]
+    seq = jnp.where(q >= n_tokens, from_new, from_out)          # [A, Lm]
     # Marker i's token j back from its end: stop_tok[i, len_i - 1 - j].
     want = jnp.take_along_axis(stop_tok, jnp.clip(stop_len[:, None] - 1 - j[None, :], 0, Lm - 1),
                                axis=1)                       # [K, Lm]

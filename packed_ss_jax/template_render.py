@@ -23,9 +23,9 @@ module):
 - its CPU time is capped at the time limit plus one or two seconds (RLIMIT_CPU), for a
   worker nobody kills; it writes no core file.
 
-One worker serves the whole process, started on the first render (in about 0.1 s) and
-shared under a lock (a render costs about 0.1 ms more than in-process, 5 ms more for a
-million-character conversation); it is killed at interpreter exit, and it exits by itself
+One worker serves the whole process, started on the first render and shared under a
+lock (a render costs one pipe round trip more than in-process, and the conversation's
+pickling); it is killed at interpreter exit, and it exits by itself
 when its parent goes (at the end of its input, or within ORPHAN_CHECK = 0.5 s
 mid-render). Requests go to the worker pickled (the parent is trusted; plain data only,
 which the worker loads without importing anything); replies come back as JSON (the worker

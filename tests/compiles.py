@@ -13,10 +13,10 @@ def record(monkeypatch) -> list:
     keys = []
     real = Engine.compile
 
-    def compile(self, key, fn, *args, **kwargs):
-        if key not in self.executables():
-            keys.append(key)
-        return real(self, key, fn, *args, **kwargs)
+    def compile(self, name, fn, *args, **kwargs):
+        if name not in self.executables():
+            keys.append(name)
+        return real(self, name, fn, *args, **kwargs)
 
     monkeypatch.setattr(Engine, "compile", compile)
     return keys

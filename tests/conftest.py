@@ -54,18 +54,13 @@ def run_compile_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module", autouse=True)
 def programs_per_module():
-    """The programs compiled for the models of one test module are freed after it: a
-    worker that held every module's programs would run out of memory maps (each
-    executable maps its code; the kernel allows 65530 per process). The next module reads
-    a program it shares from the run's persistent cache."""
+    """Each test module starts with no compiled program held: a test that lists an
+    engine's programs sees its own module's only. The next module reads a program it
+    shares from the run's persistent cache."""
     yield
-    import gc
-
     from packed_ss_jax import engine
 
-    for programs in list(engine._shared.values()):
-        programs.clear()
-    gc.collect()
+    engine.clear_programs()
 
 
 @pytest.fixture
@@ -128,6 +123,14 @@ def setdlm(setdlm_dir):
     return ps.load(setdlm_dir)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--long-checks", action="store_true",
+                     help="also run the long checks (marked long_check): every golden "
+                          "decode (tools/golden.py; the suite runs golden.SUITE), the "
+                          "docs' recipes of saved runs and trained models, and tests/slow.py's "
+                          "LONG matrices")
+
+
 def pytest_collection_modifyitems(config, items):
     import slow
 
@@ -138,3 +141,8 @@ def pytest_collection_modifyitems(config, items):
         stale = slow.unknown(items)
         if stale:
             raise pytest.UsageError(f"tests/slow.py names tests that do not exist: {stale}")
+    if not config.getoption("long_checks"):
+        long = [i for i in items if i.get_closest_marker("long_check")]
+        if long:
+            config.hook.pytest_deselected(items=long)
+            items[:] = [i for i in items if not i.get_closest_marker("long_check")]

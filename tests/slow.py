@@ -1,4 +1,5 @@
-"""Which tests are `slow`: outside the quick loop (`python -m pytest -q -m "not slow"`).
+"""Which tests are `slow`: outside the quick loop (`python -m pytest -q -m "not slow"`);
+and which are long checks, outside the suite (`LONG`).
 
 The quick loop keeps, for every test function, at least one case that compiles and runs
 its programs, so every module of the package is exercised; what moves out are the
@@ -72,6 +73,9 @@ SLOW: dict[str, tuple[str, tuple[str, ...] | None]] = {
         ("the bound at three widths", ("4",)),
     "test_theorem_3_2.py::test_bound_holds_with_eos_stopping": ("a third set of programs", None),
     "test_reference_loop.py::test_first_call_alone": ("one program per schedule", ("packed",)),
+    "test_reference_loop.py::test_engine_equals_python_loop":
+        ("one program per schedule, width and length; one of each schedule stays",
+         ("0-3-19-None-packed", "1-5-25-3-linear", "3-2-12-5-quadratic", "0-3-19-None-ar")),
     "test_setdlm_decode.py::test_ltr_is_the_serial_greedy_output":
         ("one program per schedule and width", ("packed-3", "serial-1")),
     "test_setdlm_decode.py::test_confidence_order_is_the_serial_reference":
@@ -82,13 +86,16 @@ SLOW: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "test_golden_fixtures.py::test_fixture_decode_matches_golden":
         ("the fixture models' golden decodes", None),
     "test_golden.py::test_decode_matches_golden":
-        ("every schedule, sampler, width, stop, batch, stream and queue of the embedded models",
+        ("the embedded models' batch, stream, queue and stop cases of golden.SUITE",
          tuple(f"{m}-packed-{k}" for m in ("nld-tiny", "setdlm-tiny")
                for k in ("greedy", "t0.9-k40-p0.95"))),
     # Programs whose structure is checked at more dtypes and layouts than one.
     "test_cache_in_place.py::test_decode_loop_never_copies_the_cache":
-        ("a sampled program per schedule (the greedy ones share other tests' programs)",
-         ("greedy-ar", "greedy-linear", "greedy-quadratic", "greedy-packed", "t1-packed")),
+        ("a program per schedule and sampler; Packed-SS greedy and sampled stay",
+         ("greedy-packed", "t1-packed")),
+    "test_cache_in_place.py::test_setdlm_loop_never_copies_the_cache":
+        ("a program per schedule, order and sampler", ("packed-ltr-1.0",
+                                                        "linear-confidence-0.0")),
     "test_cache_in_place.py::test_bf16_decode_loop_never_copies_the_cache":
         ("bf16 programs per schedule", ("packed",)),
     "test_cache_in_place.py::test_setdlm_bf16_loop_never_copies_the_cache":
@@ -117,6 +124,17 @@ SLOW: dict[str, tuple[str, tuple[str, ...] | None]] = {
         ("both batching benchmarks end to end", None),
     "test_benchmarks.py::test_gpu_timing_smoke_prints_every_call":
         ("every schedule's call timed", None),
+    "test_server_mesh.py::test_serve_on_a_mesh_answers_completions_and_chats_streamed_and_not":
+        ("a server process on a mesh of simulated devices", None),
+    "test_gpu_check.py::test_the_check_stops_within_its_budget":
+        ("the GPU check's processes, stopped at their budget", None),
+    "test_compile_cache.py::test_second_process_reuses_compiled_programs":
+        ("two processes compiling and reading back (the cache's in-process checks stay)",
+         None),
+    "test_scripts.py::test_stream_overhead":
+        ("streamed against one-shot decodes, timed (the script's --help stays)", None),
+    "test_scripts.py::test_roofline":
+        ("the roofline's compiled programs (the script's --help stays)", None),
     "test_scripts.py::test_real_size_end_to_end":
         ("every stage of the real-size benchmark in its own process (the stages in this "
          "process stay)", None),
@@ -135,6 +153,9 @@ SLOW: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "test_server_fuzz.py::test_chat_fuzz": ("a fuzz run decoding through the server", None),
     "test_server_shutdown.py::test_a_signal_at_a_random_moment_drains":
         ("a server process per signal moment; one stays", ("0-15",)),
+    "test_server_limits.py::test_a_tiny_top_p_is_greedy":
+        ("a server's tiny top-p (the decode's own stays in test_hostile_inputs.py and "
+         "test_cli_hostile.py)", None),
     "test_server_limits.py::test_a_hostile_template_ends_with_a_clear_error_while_health_answers":
         ("the looping template runs to its 5 s limit", ("format", "percent", "tojson", "repeat",
                                                           "huge")),
@@ -144,17 +165,43 @@ SLOW: dict[str, tuple[str, tuple[str, ...] | None]] = {
         ("a sampled program per family; Nemotron's stays", ("nld-tiny",)),
 }
 
+# The long checks: run with `--long-checks` only (CI runs them after the suite), with the
+# golden matrix (test_golden*.py) and the docs' recipes (test_docs.py, `# test: long`).
+# (why, the case ids that are long); None: every case. The suite keeps the rest: for
+# each, the same check on the fixtures or another case of the same path.
+LONG: dict[str, tuple[str, tuple[str, ...] | None]] = {
+    "test_batched.py::test_batch_equals_each_prompt_alone":
+        ("a sampled batched program per schedule (Packed-SS's stays in the suite, and every "
+         "schedule's greedy one)",
+         ("nemotron-ar-ltr-1.0", "nemotron-linear-ltr-1.0", "nemotron-quadratic-ltr-1.0",
+          "setdlm-serial-ltr-1.0", "setdlm-linear-ltr-1.0", "setdlm-quadratic-ltr-1.0")),
+    "test_one_engine.py::test_every_schedule_runs_from_the_cli":
+        ("every schedule through the CLI (the CLI hands the schedule to `decode`; Packed-SS "
+         "and SetDLM's serial decoder stay, and every schedule's exactness is checked on the "
+         "fixtures in the suite)",
+         ("nemotron-ar", "nemotron-linear", "nemotron-quadratic", "setdlm-native",
+          "setdlm-linear", "setdlm-quadratic")),
+    "test_embedded_model.py::test_all_schedules_return_ar_greedy_tokens":
+        ("every schedule of the embedded model on its prompts (the suite checks every "
+         "schedule's greedy exactness on the fixtures and random models)", None),
+    "test_embedded_setdlm.py::test_ltr_schedules_return_serial_greedy_and_drafts_are_accepted":
+        ("every schedule of the embedded SetDLM model on its prompts (as above)", None),
+}
+
 
 def mark(items) -> None:
-    """Marks the slow items of a collection (pytest_collection_modifyitems)."""
+    """Marks the slow and the long items of a collection (pytest_collection_modifyitems)."""
     for item in items:
         name = f"{item.path.name}::{item.originalname}"
-        if name not in SLOW:
-            continue
-        kept = SLOW[name][1]
         case = getattr(item, "callspec", None)
-        if kept is None or case is None or case.id not in kept:
-            item.add_marker(pytest.mark.slow)
+        if name in SLOW:
+            kept = SLOW[name][1]
+            if kept is None or case is None or case.id not in kept:
+                item.add_marker(pytest.mark.slow)
+        if name in LONG:
+            long = LONG[name][1]
+            if long is None or (case is not None and case.id in long):
+                item.add_marker(pytest.mark.long_check)
 
 
 def unknown(items) -> list[str]:
@@ -163,7 +210,8 @@ def unknown(items) -> list[str]:
     seen = {(f"{i.path.name}::{i.originalname}", getattr(getattr(i, "callspec", None), "id", None))
             for i in items}
     names = {n for n, _ in seen}
-    missing = [n for n in SLOW if n not in names]
-    for n, (_, kept) in SLOW.items():
-        missing += [f"{n}[{k}]" for k in kept or () if (n, k) not in seen]
+    missing = [n for n in {**SLOW, **LONG} if n not in names]
+    for table in (SLOW, LONG):
+        for n, (_, cases) in table.items():
+            missing += [f"{n}[{k}]" for k in cases or () if (n, k) not in seen]
     return missing

@@ -14,7 +14,7 @@ import pytest
 
 import packed_ss_jax as ps
 from packed_ss_jax import families
-from packed_ss_jax.requests import InputError
+from packed_ss_jax.validate import InputError
 from test_setdlm_decode import tiny_setdlm
 from tiny import tiny_model
 

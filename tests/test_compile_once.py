@@ -62,11 +62,15 @@ def test_second_decode_does_not_recompile(schedule, compiles):
 def test_new_bucket_compiles_once(compiles):
     model = tiny_model(0)
     engine = ps.Engine.of(model)
+    # `decode` uses the engine kept with the model, whose programs other tests of this
+    # config may have compiled already: count the ones these decodes add.
+    before = set(engine.executables())
     ps.decode(model, list(range(1, 10)), schedule="packed", block_size=3, max_new_tokens=5)
     ps.decode(model, list(range(1, 11)) * 2, schedule="packed", block_size=3, max_new_tokens=5)
     ps.decode(model, list(range(1, 11)) * 3, schedule="packed", block_size=3, max_new_tokens=7)
-    assert sorted(p.bucket for p in _decodes(engine)) == [16, 32]
-    assert len(engine.executables()) == 2
+    added = [k for k in engine.executables() if k not in before]
+    assert sorted(k[1].bucket for k in added if k[0] == "decode") == [16, 32]
+    assert len(added) == 2
     assert options.bucket_for(20, 256) == options.bucket_for(30, 256) == 32
 
 
@@ -112,3 +116,33 @@ def test_temperature_and_top_p_share_one_sampled_program(family, compiles):
     programs = _decodes(engine)
     assert len(programs) == 2 and sum(p.sampling.greedy for p in programs) == 1
     assert len(engine.executables()) == 2
+
+
+def test_the_process_holds_at_most_max_programs(monkeypatch):
+    """Every engine's programs count toward one bound; past it the least recently used
+    program of any engine goes, and is compiled again when asked for."""
+    from packed_ss_jax import engine as engine_lib
+
+    monkeypatch.setenv("PACKED_SS_MAX_PROGRAMS", "2")
+    a, b = ps.Engine(tiny_model(0)), ps.Engine(tiny_model(1))
+    options_ = ps.DecodeOptions(schedule="ar", max_new_tokens=3)
+
+    def decode(engine, n):
+        return engine.decode(engine.request([1 + i % 9 for i in range(n)], options_))
+
+    decode(a, 3)                     # a: bucket 16
+    decode(b, 3)                     # b: bucket 16
+    assert decode(a, 3).compile_s == 0.0     # a's is now the most recently used
+    decode(b, 20)                    # b: bucket 32; b's bucket 16 was the least recent
+    assert len(a.executables()) + len(b.executables()) == 2
+    assert [k[1].bucket for k in b.executables()] == [32]
+    assert [k[1].bucket for k in a.executables()] == [16]
+    assert decode(a, 3).compile_s == 0.0
+    assert decode(b, 3).compile_s > 0          # compiled again
+    assert len(a.executables()) + len(b.executables()) == 2
+    engine_lib.clear_programs()
+    assert a.executables() == b.executables() == {}
+    assert decode(a, 3).compile_s > 0
+    monkeypatch.setenv("PACKED_SS_MAX_PROGRAMS", "many")
+    with pytest.raises(ValueError, match="PACKED_SS_MAX_PROGRAMS must be a positive integer"):
+        engine_lib.max_programs()

@@ -28,7 +28,8 @@ What runs
   page.
 - The quick loop (`-m "not slow"`) runs README.md's blocks and examples; the other
   pages', and the README's blocks marked `slow`, run in the whole suite
-  (`test_slow_block`, `test_slow_python`: wholly slow in tests/slow.py).
+  (`test_slow_block`, `test_slow_python`: wholly slow in tests/slow.py); blocks marked
+  `long` (the recipes of saved runs and trained models) run with `--long-checks`.
 
 Markers
 -------
@@ -39,6 +40,9 @@ first line may be one. Directives are separated by `;`:
                      downloaded checkpoint, another host, hours, the test suite itself)
                      or another test runs it already. The reason is required. At most
                      MAX_SKIPPED commands and MAX_SKIPPED_PYTHON python blocks are skipped.
+    long             the block reproduces a saved run or a trained model (at the small
+                     limits its flags give): it runs with `--long-checks` only (CI's
+                     step after the suite), not in the suite.
     slow             the block (for a python block: its page's examples) runs in the
                      whole suite only.
     --flag value     (commands) small limits: the command's `--flag` takes this value,
@@ -126,7 +130,11 @@ class Command:
 
     @property
     def slow(self) -> bool:
-        return "slow" in self.directives
+        return "slow" in self.directives or self.long
+
+    @property
+    def long(self) -> bool:
+        return "long" in self.directives
 
     @property
     def flags(self) -> list[str]:
@@ -364,7 +372,14 @@ def test_block(block, tmp_path):
     run_block(block, make_scratch(tmp_path / "scratch"))
 
 
-@pytest.mark.parametrize("block", SLOW, ids=_ids(SLOW))
+def _long_marked(items) -> list:
+    """`items` as test parameters, a block with a `long` command marked `long_check`
+    (deselected unless --long-checks is given: tests/conftest.py)."""
+    return [pytest.param(b, id=b.id, marks=pytest.mark.long_check
+                         if any(c.long for c in commands(b)) else ()) for b in items]
+
+
+@pytest.mark.parametrize("block", _long_marked(SLOW))
 def test_slow_block(block, tmp_path):
     run_block(block, make_scratch(tmp_path / "scratch"))
 
@@ -401,7 +416,7 @@ def test_markers_are_well_formed():
             if d.startswith("skip"):
                 if not re.fullmatch(r"skip \(.+\)", d):
                     bad.append(f"{rel(c.block.page)}:{c.line}: a skip needs its reason: {d!r}")
-            elif d != "slow" and not d.startswith("--"):
+            elif d not in ("slow", "long") and not d.startswith("--"):
                 bad.append(f"{rel(c.block.page)}:{c.line}: unknown directive {d!r}")
         if c.skip and (c.slow or c.flags):
             bad.append(f"{rel(c.block.page)}:{c.line}: a skipped command with other directives")

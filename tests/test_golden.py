@@ -4,8 +4,15 @@ reason, text and stop position. The file was written before the engine refactor;
 in it must be explained (see tools/golden.py).
 
 The cases of one model run one after another on one loaded model, so that they share its
-compiled programs; the quick loop keeps a greedy and a sampled Packed-SS decode on each
-family's embedded model (tests/slow.py)."""
+compiled programs. The suite runs the cases in `golden.SUITE` (Packed-SS greedy and sampled
+on every model, and every kind of call on the embedded models); the whole matrix (every
+schedule, sampler, width, stop, batch, stream and queue of every model) runs with the
+long checks:
+
+    python -m pytest -q --long-checks -m long_check tests/test_golden.py tests/test_golden_fixtures.py
+
+The quick loop keeps a greedy and a sampled Packed-SS decode on each family's embedded
+model (tests/slow.py)."""
 
 import jax
 import pytest
@@ -48,7 +55,14 @@ def test_golden_file_has_every_case():
 EMBEDDED = [c for c in golden.CASES if c.model in golden.EMBEDDED]
 
 
-@pytest.mark.parametrize("case", EMBEDDED, ids=[c.id for c in EMBEDDED])
+def params(cases) -> list:
+    """`cases` as test parameters, those outside `golden.SUITE` marked `long_check`
+    (deselected unless --long-checks is given: tests/conftest.py)."""
+    return [pytest.param(c, id=c.id, marks=() if c.id in golden.SUITE
+                         else pytest.mark.long_check) for c in cases]
+
+
+@pytest.mark.parametrize("case", params(EMBEDDED))
 def test_decode_matches_golden(case, models):
     check(case, models)
 

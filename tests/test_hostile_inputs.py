@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import packed_ss_jax as ps
-from packed_ss_jax import continuous, memory, requests, sampling
-from packed_ss_jax.requests import INT32_MAX, MAX_CACHE, SEED_LIMIT, InputError
+from packed_ss_jax import continuous, memory, validate, sampling
+from packed_ss_jax.validate import INT32_MAX, MAX_CACHE, SEED_LIMIT, InputError
 from packed_ss_jax.sampling import Sampler
 from tiny import tiny_config
 
@@ -354,9 +354,9 @@ def test_tiny_top_p_speculative_acceptance_is_greedy(draft_logits, verify_logits
 def test_tiny_top_p_values_share_one_program():
     """Every top_p below the smallest normal float32 keeps the argmax alone, as that one
     does: one Sampler (one compiled program) for them all."""
-    samplers = {requests.sampler(1.0, None, p) for p in TINY_P + [np.float64(1e-300)]}
-    assert samplers == {Sampler(1.0, None, requests.TOP_P_TINY)}
-    assert requests.sampler(1.0, None, 1e-30).top_p == 1e-30
+    samplers = {validate.sampler(1.0, None, p) for p in TINY_P + [np.float64(1e-300)]}
+    assert samplers == {Sampler(1.0, None, validate.TOP_P_TINY)}
+    assert validate.sampler(1.0, None, 1e-30).top_p == 1e-30
 
 
 @pytest.mark.parametrize("name", ["nld-tiny", "setdlm-tiny"])

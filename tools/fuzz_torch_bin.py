@@ -421,14 +421,23 @@ def m_after_record(c: Ctx) -> bytes:
 def _mutate_rec(c: Ctx, r: Rec, o: Rec, recs: list[Rec]) -> Rec:
     """`r` with one field changed; new values derive from `o`, the fixture's record, as an
     earlier mutation may have left any type in `r`."""
-    n, rng = o.numel, c.rng
     what = c.pick(["swap", "offset", "size", "stride", "dims", "numel", "kind", "key",
                    "location", "grad", "hooks", "extra", "transpose", "raw", "name", "alias"])
+    # Each helper knows a few `what`s and answers None for the rest (or where the record
+    # cannot take that change), so the fallback below draws nothing before it is reached.
+    for mutate in (_mutate_layout, _mutate_storage_ref, _mutate_other):
+        changed = mutate(c, r, o, recs, what)
+        if changed is not None:
+            return changed
+    return dataclasses.replace(r, offset=c.pick(HUGE))
+
+
+def _mutate_layout(c: Ctx, r: Rec, o: Rec, recs: list[Rec], what: str) -> Rec | None:
+    """The "swap", "size", "stride", "dims" and "transpose" changes: the tensor's shape and
+    strides."""
+    n, rng = o.numel, c.rng
     if what == "swap":
         return dataclasses.replace(r, size=r.stride, stride=r.size)
-    if what == "offset":
-        return dataclasses.replace(r, offset=c.pick([n, n - 1, n + 1, rng.randrange(2 * n + 1),
-                                                     c.pick(HUGE)]))
     if what == "size" and o.size:
         i = rng.randrange(len(o.size))
         d = o.size[i]
@@ -446,6 +455,18 @@ def _mutate_rec(c: Ctx, r: Rec, o: Rec, recs: list[Rec]) -> Rec:
                        dataclasses.replace(r, size=o.size + (1,)),
                        dataclasses.replace(r, size=(1,) * 40, stride=(1,) * 40),
                        dataclasses.replace(r, size=(), stride=())])
+    if what == "transpose" and len(o.size) == 2:  # a valid view of the same bytes
+        return dataclasses.replace(r, size=o.size[::-1], stride=o.stride[::-1])
+    return None
+
+
+def _mutate_storage_ref(c: Ctx, r: Rec, o: Rec, recs: list[Rec], what: str) -> Rec | None:
+    """The "offset", "numel", "kind", "key" and "location" changes: where the tensor's
+    bytes are and how they are read."""
+    n, rng = o.numel, c.rng
+    if what == "offset":
+        return dataclasses.replace(r, offset=c.pick([n, n - 1, n + 1, rng.randrange(2 * n + 1),
+                                                     c.pick(HUGE)]))
     if what == "numel":
         return dataclasses.replace(r, numel=c.pick([n * 2, n - 1, n + 1, 0, 2**28, 2**40,
                                                     c.pick(HUGE)]))
@@ -460,6 +481,12 @@ def _mutate_rec(c: Ctx, r: Rec, o: Rec, recs: list[Rec]) -> Rec:
                                                   "a" * 100, 5, None, "data.pkl", "..", "1\n"]))
     if what == "location":
         return dataclasses.replace(r, location=c.pick(["cuda:0", "x" * 1000, 7, None]))
+    return None
+
+
+def _mutate_other(c: Ctx, r: Rec, o: Rec, recs: list[Rec], what: str) -> Rec | None:
+    """The "grad", "hooks", "extra", "raw", "name" and "alias" changes: the record's other
+    arguments, raw opcodes in place of values, and the memo."""
     if what == "grad":
         return dataclasses.replace(r, requires_grad=c.pick([True, 1, None, "yes"]))
     if what == "hooks":
@@ -469,8 +496,6 @@ def _mutate_rec(c: Ctx, r: Rec, o: Rec, recs: list[Rec]) -> Rec:
     if what == "extra":
         return dataclasses.replace(r, extra=c.pick([ORDERED_DICT, b"}", b"N", p_value(
             {"conj": True}), ORDERED_DICT + p_str("k") + p_int(1) + b"s", c.pick(gadgets(c))]))
-    if what == "transpose" and len(o.size) == 2:  # a valid view of the same bytes
-        return dataclasses.replace(r, size=o.size[::-1], stride=o.stride[::-1])
     if what == "raw":  # sizes as lists, strings, nested tuples, a list mutated after use
         return c.pick([
             dataclasses.replace(r, size=b"]" + b"(" + b"".join(map(p_int, o.size)) + b"e"),
@@ -486,9 +511,8 @@ def _mutate_rec(c: Ctx, r: Rec, o: Rec, recs: list[Rec]) -> Rec:
         return dataclasses.replace(r, name=c.pick([7, None, b"N", o.name + "\udcff", "",
                                                    c.pick(recs).name]))
     if what == "alias" and len(recs) > 1:
-        return dataclasses.replace(r, alias=rng.randrange(len(recs) + 2))
-    return dataclasses.replace(r, offset=c.pick(HUGE))
-
+        return dataclasses.replace(r, alias=c.rng.randrange(len(recs) + 2))
+    return None
 
 def m_record(c: Ctx) -> bytes:
     recs = list(c.base.recs)

@@ -30,7 +30,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden" / "decodes.json"
@@ -98,12 +98,16 @@ def _prompts(model: str) -> tuple:
     return PROMPTS["text" if model in EMBEDDED else FAMILY[model]]
 
 
+def _sampled(name: str) -> dict:
+    """A sampler setting's options, with its seed."""
+    options, seed = SAMPLERS[name]
+    return {**options, "seed": seed}
+
+
 def _cases_of(model: str, full: bool) -> list[Case]:
     """The cases of one model; `full`: the whole matrix (else the few that check the
     draft-adapter switch)."""
-    fam = FAMILY[model]
     prompts = _prompts(model)
-    p0, p1 = prompts[0], prompts[1]
     base = {"max_new_tokens": MAX_NEW}
     out: list[Case] = []
 
@@ -112,65 +116,85 @@ def _cases_of(model: str, full: bool) -> list[Case]:
                         list(prompt) if isinstance(prompt, tuple) else prompt,
                         {**base, **options}))
 
-    def sampled(name):
-        options, seed = SAMPLERS[name]
-        return {**options, "seed": seed}
-
     if not full:
-        add("packed-greedy", "decode", p0, schedule="packed")
-        add("packed-t0.7", "decode", p1, schedule="packed", **sampled("t0.7"))
+        add("packed-greedy", "decode", prompts[0], schedule="packed")
+        add("packed-t0.7", "decode", prompts[1], schedule="packed", **_sampled("t0.7"))
         return out
+    _add_schedule_cases(add, model, prompts)
+    _add_width_cases(add, FAMILY[model], prompts)
+    _add_eos_and_stop_cases(add, model, prompts)
+    _add_call_cases(add, model, prompts)
+    return out
 
+
+def _add_schedule_cases(add: Callable[..., None], model: str, prompts: tuple) -> None:
+    """Every schedule greedy, every sampling schedule at the model's sampler settings and
+    SetDLM's speculative schedules in confidence order (single decodes)."""
+    fam = FAMILY[model]
+    p0, p1 = prompts[0], prompts[1]
     for s in SCHEDULES[fam]:
         add(f"{s}-greedy", "decode", p0, schedule=s)
     for s in SAMPLED[fam]:
         for name in SAMPLERS if model in EMBEDDED else FIXTURE_SAMPLERS:
-            add(f"{s}-{name}", "decode", p1, schedule=s, **sampled(name))
+            add(f"{s}-{name}", "decode", p1, schedule=s, **_sampled(name))
     if fam == "setdlm":
         for s in CONFIDENCE:
             add(f"{s}-confidence", "decode", p0, schedule=s, order="confidence")
-    # Non-default widths.
+
+
+def _add_width_cases(add: Callable[..., None], fam: str, prompts: tuple) -> None:
+    """Non-default widths: block sizes for Nemotron, windows for SetDLM."""
+    p0, p1 = prompts[0], prompts[1]
     if fam == "nemotron":
         for s in ("linear", "quadratic", "packed"):
             add(f"{s}-greedy-block_size4", "decode", p0, schedule=s, block_size=4)
         add("packed-t0.7-block_size3", "decode", p1, schedule="packed", block_size=3,
-            **sampled("t0.7"))
+            **_sampled("t0.7"))
     else:
         for s in ("native", "linear", "packed"):
             add(f"{s}-greedy-window2", "decode", p0, schedule=s, window=2)
         add("packed-t0.7-window6", "decode", p1, schedule="packed", window=6,
-            **sampled("t0.7"))
+            **_sampled("t0.7"))
         add("packed-confidence-window6", "decode", p0, schedule="packed", window=6,
             order="confidence")
+
+
+def _add_eos_and_stop_cases(add: Callable[..., None], model: str, prompts: tuple) -> None:
+    """Single decodes that end otherwise than at the config's EOS."""
+    fam = FAMILY[model]
+    p0, p1 = prompts[0], prompts[1]
     # EOS: none, and another id than the config's (one the sampled decode reaches).
     add("packed-greedy-no-eos", "decode", p1, schedule="packed", eos_id=None)
     add(f"packed-t0.7-eos{EOS[model]}", "decode", p1, schedule="packed", eos_id=EOS[model],
-        **sampled("t0.7"))
+        **_sampled("t0.7"))
     # Stop markers.
     stops = STOPS[model]
     add("packed-greedy-stop", "decode", p0, schedule="packed", stop_sequences=stops)
     add(f"{SCHEDULES[fam][0]}-greedy-stop", "decode", p0, schedule=SCHEDULES[fam][0],
         stop_sequences=stops)
     add("packed-t0.7-stop", "decode", p1, schedule="packed", stop_sequences=stops,
-        **sampled("t0.7"))
+        **_sampled("t0.7"))
+
+
+def _add_call_cases(add: Callable[..., None], model: str, prompts: tuple) -> None:
+    """The other calls: a batch, a stream and a queue (continuous batching)."""
+    p0, p1 = prompts[0], prompts[1]
     # A batch of three prompts of different lengths.
     add("batch-packed-greedy", "batch", prompts[:3], schedule="packed")
     add("batch-linear-greedy", "batch", prompts[:3], schedule="linear")
     add("batch-packed-t0.7", "batch", prompts[:3], schedule="packed",
         **{**SAMPLERS["t0.7"][0], "seed": [5, 6, 7]})
     add("batch-packed-t1-k20-one-seed", "batch", prompts[:3], schedule="packed",
-        **sampled("t1-k20"))
+        **_sampled("t1-k20"))
     # Streaming, in chunks of a few iterations.
     add("stream-packed-greedy", "stream", p0, schedule="packed", chunk=4)
-    add("stream-packed-t0.7", "stream", p1, schedule="packed", chunk=4, **sampled("t0.7"))
+    add("stream-packed-t0.7", "stream", p1, schedule="packed", chunk=4, **_sampled("t0.7"))
     add("stream-packed-greedy-stop", "stream", p0, schedule="packed", chunk=3,
-        stop_sequences=stops)
+        stop_sequences=STOPS[model])
     # Continuous batching: four prompts through two slots.
     add("continuous-packed-greedy", "continuous", prompts, schedule="packed", slots=2, every=4)
     add("continuous-packed-t0.7", "continuous", prompts, schedule="packed", slots=2, every=4,
         **{**SAMPLERS["t0.7"][0], "seed": [8, 9, 10, 11]})
-    return out
-
 
 # Stop markers per model, each reached by the greedy decode of the first prompt or the
 # sampled one of the second: token-id markers for the fixtures, strings for the embedded
@@ -185,6 +209,20 @@ STOPS: dict[str, list] = {
 EOS = {"nemotron-fixture": 265, "setdlm-fixture": 182, "nld-tiny": 355, "setdlm-tiny": 202}
 
 
+# The cases the test suite runs (`python -m pytest`): on each model, Packed-SS greedy and
+# sampled, and on the embedded models every call (batch, stream, queue) and a stop on the
+# reference schedule. The whole matrix runs with the long checks (`python -m pytest
+# --long-checks -m long_check`, a step of CI's own after the suite).
+SUITE = frozenset(
+    [f"{m}-packed-{k}" for m in EMBEDDED + ("nemotron-fixture",)
+     for k in ("greedy", "t0.9-k40-p0.95")]
+    + [f"{m}-{k}" for m in EMBEDDED for k in ("batch-packed-t0.7", "stream-packed-t0.7",
+                                                 "continuous-packed-t0.7")]
+    + ["nld-tiny-ar-greedy-stop", "setdlm-tiny-serial-greedy-stop",
+       "setdlm-fixture-packed-greedy", "setdlm-fixture-packed-confidence",
+       "nemotron-fixture-nolora-packed-greedy", "nemotron-fixture-nolora-packed-t0.7"])
+
+
 def cases() -> list[Case]:
     """Every golden case, grouped by model (cases of one model share its programs)."""
     out = []
@@ -192,6 +230,7 @@ def cases() -> list[Case]:
         out += _cases_of(model, full=model != "nemotron-fixture-nolora")
     ids = [c.id for c in out]
     assert len(set(ids)) == len(ids), "golden case ids must be unique"
+    assert SUITE <= set(ids), f"SUITE names no case: {sorted(SUITE - set(ids))}"
     return out
 
 
@@ -199,18 +238,10 @@ CASES = cases()
 
 
 def release() -> None:
-    """Lets go of the compiled programs of the models no longer held: each compiled
-    program maps a few hundred memory regions, and one process holding every case's
-    programs would run out of them (vm.max_map_count). Programs kept with their model go
-    with it; a module-wide table of programs (`engine.clear_cache`, where the engine has
-    one) is emptied."""
+    """Lets go of the models no longer held, and with the last engine of one its compiled
+    programs (the engines hold at most `engine.max_programs()` in all)."""
     import gc
 
-    from packed_ss_jax import engine
-
-    clear = getattr(engine, "clear_cache", None)
-    if clear is not None:
-        clear()
     gc.collect()
 
 

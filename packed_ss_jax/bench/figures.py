@@ -119,55 +119,69 @@ def plot(results: dict, path: str) -> None:
     rows = len(runs) + bool(decomposition)
     fig, axes = plt.subplots(rows, 4, figsize=(14, 3.0 * rows), squeeze=False)
     for row, run in zip(axes, runs):
-        ratios = run["ratios_to_linear"]
-        names = list(ratios)
-        colors = ["#c44" if s == "packed" else "#888" for s in names]
-        for ax, (metric, title) in zip(row, PANELS):
-            vals = [ratios[s][metric]["ratio"] for s in names]
-            lo = [v - ratios[s][metric]["ci95"][0] for s, v in zip(names, vals)]
-            hi = [ratios[s][metric]["ci95"][1] - v for s, v in zip(names, vals)]
-            ax.bar(names, vals, yerr=[lo, hi], capsize=4, color=colors)
-            ax.axhline(1.0, color="k", lw=0.8, ls="--")
-            ax.set_title(f"{title} (ratio to Linear-SS)", fontsize=9)
-        ax = row[3]
-        scored = [s for s in names if "accuracy_diff_pp" in ratios[s]]
-        if scored:
-            vals = [ratios[s]["accuracy_diff_pp"]["diff"] for s in scored]
-            lo = [v - ratios[s]["accuracy_diff_pp"]["ci95"][0] for s, v in zip(scored, vals)]
-            hi = [ratios[s]["accuracy_diff_pp"]["ci95"][1] - v for s, v in zip(scored, vals)]
-            ax.bar(scored, vals, yerr=[lo, hi], capsize=4,
-                   color=["#c44" if s == "packed" else "#888" for s in scored])
-            ax.axhline(0.0, color="k", lw=0.8, ls="--")
-        else:
-            # an unscored task, or a result saved without per-prompt correctness
-            ax.text(0.5, 0.5, "N/A (no per-prompt accuracy)", ha="center", va="center",
-                    transform=ax.transAxes)
-            ax.set_xticks([])
-            ax.set_yticks([])
-        ax.set_title("Δ accuracy vs Linear-SS (points)", fontsize=9)
-        row[0].set_ylabel(f"{run_label(run)}\nn={run['n_prompts']}"
-                          + (f" x {run['samples']}" if run.get("samples", 1) > 1 else ""),
-                          fontsize=8)
+        _draw_run_row(row, run)
     if decomposition:
-        grid = axes[-1, 0].get_gridspec()
-        for ax in axes[-1]:
-            ax.remove()
-        ax = fig.add_subplot(grid[-1, :])  # the whole last row
-        labels, model, non_model = [], [], []
-        for g in decomposition:
-            for s, v in g["schedules"].items():
-                labels.append(f"{s}\n{g['group']}".replace(", ", "\n")
-                              if len(decomposition) > 1 else s)
-                model.append(v["model"])
-                non_model.append(v["non_model"])
-        ax.bar(labels, model, color="#48c", label="model execution")
-        ax.bar(labels, non_model, bottom=model, color="#e94", label="non-model decoder")
-        ax.axhline(1.0, color="k", lw=0.8, ls="--")
-        ax.set_title("time / Linear-SS total (tasks averaged)", fontsize=9)
-        ax.legend(fontsize=7)
-        ax.tick_params(axis="x", labelsize=7)
+        _draw_decomposition(fig, axes, decomposition)
     first = runs[0]
     fig.suptitle(f"{first['model']} · " + ", ".join(dict.fromkeys(r["task"] for r in runs)))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _draw_run_row(row, run: dict) -> None:
+    """A run's row of Figures 3/4: the three ratio panels, then the accuracy difference."""
+    ratios = run["ratios_to_linear"]
+    names = list(ratios)
+    colors = ["#c44" if s == "packed" else "#888" for s in names]
+    for ax, (metric, title) in zip(row, PANELS):
+        vals = [ratios[s][metric]["ratio"] for s in names]
+        lo = [v - ratios[s][metric]["ci95"][0] for s, v in zip(names, vals)]
+        hi = [ratios[s][metric]["ci95"][1] - v for s, v in zip(names, vals)]
+        ax.bar(names, vals, yerr=[lo, hi], capsize=4, color=colors)
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_title(f"{title} (ratio to Linear-SS)", fontsize=9)
+    _draw_accuracy_panel(row[3], ratios, names)
+    row[0].set_ylabel(f"{run_label(run)}\nn={run['n_prompts']}"
+                      + (f" x {run['samples']}" if run.get("samples", 1) > 1 else ""),
+                      fontsize=8)
+
+
+def _draw_accuracy_panel(ax, ratios: dict, names: list[str]) -> None:
+    """The accuracy difference to Linear-SS in points, of the schedules that were scored."""
+    scored = [s for s in names if "accuracy_diff_pp" in ratios[s]]
+    if scored:
+        vals = [ratios[s]["accuracy_diff_pp"]["diff"] for s in scored]
+        lo = [v - ratios[s]["accuracy_diff_pp"]["ci95"][0] for s, v in zip(scored, vals)]
+        hi = [ratios[s]["accuracy_diff_pp"]["ci95"][1] - v for s, v in zip(scored, vals)]
+        ax.bar(scored, vals, yerr=[lo, hi], capsize=4,
+               color=["#c44" if s == "packed" else "#888" for s in scored])
+        ax.axhline(0.0, color="k", lw=0.8, ls="--")
+    else:
+        # an unscored task, or a result saved without per-prompt correctness
+        ax.text(0.5, 0.5, "N/A (no per-prompt accuracy)", ha="center", va="center",
+                transform=ax.transAxes)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    ax.set_title("Δ accuracy vs Linear-SS (points)", fontsize=9)
+
+
+def _draw_decomposition(fig, axes, decomposition: list[dict]) -> None:
+    """Figure 5 across the whole last row of `axes`: model and non-model time, stacked."""
+    grid = axes[-1, 0].get_gridspec()
+    for ax in axes[-1]:
+        ax.remove()
+    ax = fig.add_subplot(grid[-1, :])  # the whole last row
+    labels, model, non_model = [], [], []
+    for g in decomposition:
+        for s, v in g["schedules"].items():
+            labels.append(f"{s}\n{g['group']}".replace(", ", "\n")
+                          if len(decomposition) > 1 else s)
+            model.append(v["model"])
+            non_model.append(v["non_model"])
+    ax.bar(labels, model, color="#48c", label="model execution")
+    ax.bar(labels, non_model, bottom=model, color="#e94", label="non-model decoder")
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_title("time / Linear-SS total (tasks averaged)", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.tick_params(axis="x", labelsize=7)

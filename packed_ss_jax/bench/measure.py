@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import api, engine, families, requests
+from .. import api, engine, families, options, validate
 from . import accounting, stats, timing
 
 SPLITS = ("null", "doubled")
@@ -55,13 +55,13 @@ def batches(prompts, size: int, samples: int = 1) -> list[list[int]]:
 def counts(**values) -> None:
     """An InputError (a ValueError) naming the first value that is not an integer >= 1."""
     for name, value in values.items():
-        requests.integer(value, name, 1)
+        validate.integer(value, name, 1)
 
 
 def cache_size_for(model, prompts, max_new_tokens=None) -> int:
-    """The bench's capacity rule, its only one: one cache size for the whole task, the
-    longest prompt plus its output cap rounded up to a power of two, at least 64 (every
-    call attends over the whole buffer, so size it to the task)."""
+    """One cache size for the whole task: the longest prompt plus its output cap, sized by
+    the engine's rule (`options.capacity_for`), so that every response of the task runs
+    one program (a decode sized per request would compile one per size)."""
     need = 0
     for p in prompts:
         if p.ids is not None:
@@ -70,10 +70,7 @@ def cache_size_for(model, prompts, max_new_tokens=None) -> int:
             n = len(model.tokenizer.encode(p.text).ids) if model.tokenizer is not None \
                 else len(p.text)
         need = max(need, n + (max_new_tokens or p.max_new_tokens))
-    size = 64
-    while size < need:
-        size *= 2
-    return size
+    return options.capacity_for(need)
 
 
 def chat_prompts(model, prompts, task: str):

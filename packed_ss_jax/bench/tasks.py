@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from ..requests import InputError
+from ..validate import InputError
 
 from . import scoring
 

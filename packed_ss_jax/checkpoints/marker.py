@@ -84,8 +84,8 @@ def checksum(a) -> str:
     """SHA-256 of an array's bytes (C order, native byte order), or of several arrays'
     bytes one after another (a stacked array's layers: the same digest as the stack's).
 
-    SHA-256 runs at about 1.65 GiB/s per core here (SHA-NI); CRC-32 is about 2.2x faster
-    but can be forged to match edited weights, so it would catch accidents only.
+    SHA-256, not CRC-32: a CRC is faster but can be forged to match edited weights, so it
+    would catch accidents only.
     """
     h = hashlib.sha256()
     for part in (a if isinstance(a, (list, tuple)) else [a]):

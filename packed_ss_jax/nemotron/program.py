@@ -23,23 +23,23 @@ SCHEDULES = {
 }
 
 
-def build(m, p) -> Loop:
-    """The decode loop of one program; `p.width` is the block size B (1 for AR)."""
-    first, step = SCHEDULES[p.schedule]
-    B, sampling = p.width, p.sampling
+def build(m, program) -> Loop:
+    """The decode loop of one program; `program.width` is the block size B (1 for AR)."""
+    first, step = SCHEDULES[program.schedule]
+    B, sampling = program.width, program.sampling
 
     def init(params, prompt, n, limits, key):
         sampler = sampling.bind(limits["temperature"], limits["top_p"])
-        return first(m, params, prompt, n, B=B, capacity=p.capacity, max_new=limits["max_new"],
-                     stop_tok=limits["stop_tok"], stop_len=limits["stop_len"], sampler=sampler,
-                     key=key)
+        return first(m, params, prompt, n, B=B, capacity=program.capacity,
+                     max_new=limits["max_new"], stop_tok=limits["stop_tok"],
+                     stop_len=limits["stop_len"], sampler=sampler, key=key)
 
     def sampler_of(s):
         return sampling.bind(None, None) if sampling.greedy else s.sampler
 
     def outcome(s):
-        return dict(tokens=s.out, n_tokens=s.n_out, nfe=s.nfe, iterations=s.iterations,
-                    accept_hist=s.hist, nonfinite_at=s.nonfinite_at, stopped=s.stopped)
+        return dict(tokens=s.out, n_tokens=s.n_tokens, nfe=s.nfe, iterations=s.iterations,
+                    accept_hist=s.accept_hist, nonfinite_at=s.nonfinite_at, stopped=s.stopped)
 
     return Loop(init=init, step=lambda params, s: step(m, params, s, B=B, sampler=sampler_of(s)),
-                outcome=outcome, progress=lambda s: (s.out, s.n_out, s.done))
+                outcome=outcome, progress=lambda s: (s.out, s.n_tokens, s.done))

@@ -48,11 +48,11 @@ class State:
     draft: jax.Array       # [B-1] next draft, MASK-padded
     draft_len: jax.Array   # real draft tokens in `draft`
     out: jax.Array         # [capacity] generated tokens
-    n_out: jax.Array
+    n_tokens: jax.Array
     done: jax.Array
     nfe: jax.Array
     iterations: jax.Array
-    hist: jax.Array        # [B+1]: hist[k] = iterations that emitted k tokens
+    accept_hist: jax.Array        # [B+1]: accept_hist[k] = iterations that emitted k tokens
     max_new: jax.Array
     stop_tok: jax.Array    # [K, Lm] stop markers (EOS included), see stops.py
     stop_len: jax.Array    # [K] (0: unused slot)
@@ -86,7 +86,7 @@ def matched_prefix(draft, draft_len, verified):
 def stop_nonfinite(s: State, bad, position=None) -> State:
     """Stops the loop when `bad` (scalar bool): non-finite logits were read for the
     generated position `position` (default: the next one)."""
-    at = s.n_out if position is None else position
+    at = s.n_tokens if position is None else position
     return s.replace(nonfinite_at=jnp.where(bad, at, s.nonfinite_at), done=s.done | bad)
 
 
@@ -130,23 +130,23 @@ def emit(s: State, accepted, count, verifier, drafter=None) -> State:
     appended; then, or if drafter does, decoding stops after what was appended (see the
     module docstring)."""
     k = jnp.arange(accepted.shape[0])
-    is_stop = stops.ends_in_new(s.out, s.n_out, accepted, count, s.stop_tok, s.stop_len)
+    is_stop = stops.ends_in_new(s.out, s.n_tokens, accepted, count, s.stop_tok, s.stop_len)
     stop_at = jnp.where(jnp.any(is_stop), jnp.argmax(is_stop) + 1, count)
-    a = jnp.minimum(jnp.minimum(count, s.max_new - s.n_out), stop_at).astype(jnp.int32)
+    a = jnp.minimum(jnp.minimum(count, s.max_new - s.n_tokens), stop_at).astype(jnp.int32)
     row_bad = nonfinite_rows(verifier) & (k < a)
     a = jnp.min(jnp.where(row_bad, k, a)).astype(jnp.int32)  # tokens before the first bad row
     bad = jnp.any(row_bad)
     if drafter is not None:
         bad = bad | jnp.any(nonfinite_rows(drafter))
-    s = stop_nonfinite(s, bad, s.n_out + a)
+    s = stop_nonfinite(s, bad, s.n_tokens + a)
     capacity = s.out.shape[0]
-    index = jnp.where(k < a, s.n_out + k, capacity)  # out-of-range rows are dropped
+    index = jnp.where(k < a, s.n_tokens + k, capacity)  # out-of-range rows are dropped
     out = s.out.at[index].set(accepted, mode="drop")
-    n_out = s.n_out + a
+    n_tokens = s.n_tokens + a
     marker = jnp.any(is_stop & (k < a))
-    return s.replace(out=out, n_out=n_out, done=s.done | marker | (n_out >= s.max_new),
+    return s.replace(out=out, n_tokens=n_tokens, done=s.done | marker | (n_tokens >= s.max_new),
                      stopped=s.stopped | marker,
-                     iterations=s.iterations + 1, hist=s.hist.at[a].add(1))
+                     iterations=s.iterations + 1, accept_hist=s.accept_hist.at[a].add(1))
 
 
 def advance(s: State, kv_rows, rows, accepted, count, next_x, draft, draft_len, calls: int,
@@ -168,8 +168,8 @@ def first_state(cache, n, first, draft, draft_len, *, B: int, capacity: int,
     (chosen by the logits row `verifier` [1, V]; `drafter`: the rows of `draft`)."""
     s = State(cache=cache, cache_len=jnp.asarray(n, jnp.int32), x=first, draft=draft,
               draft_len=jnp.asarray(draft_len, jnp.int32),
-              out=jnp.zeros(capacity, jnp.int32), n_out=jnp.int32(0), done=jnp.bool_(False),
-              nfe=jnp.int32(1), iterations=jnp.int32(0), hist=jnp.zeros(B + 1, jnp.int32),
+              out=jnp.zeros(capacity, jnp.int32), n_tokens=jnp.int32(0), done=jnp.bool_(False),
+              nfe=jnp.int32(1), iterations=jnp.int32(0), accept_hist=jnp.zeros(B + 1, jnp.int32),
               max_new=jnp.asarray(max_new, jnp.int32), stop_tok=jnp.asarray(stop_tok, jnp.int32),
               stop_len=jnp.asarray(stop_len, jnp.int32),
               nonfinite_at=jnp.int32(-1), stopped=jnp.bool_(False), key=key, draft_q=draft_q,

@@ -10,7 +10,7 @@ from pathlib import Path
 from fastapi.exceptions import RequestValidationError
 
 from ..http_guard import shutting_down
-from ..requests import InputError
+from ..validate import InputError
 
 
 class APIError(Exception):

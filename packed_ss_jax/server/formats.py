@@ -13,8 +13,8 @@ from typing import Annotated, Any, Optional, Union
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat,
                       StrictInt, StrictStr)
 
-from .. import requests
-from ..requests import InputError
+from .. import validate
+from ..validate import InputError
 from .errors import APIError
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
@@ -25,7 +25,7 @@ INT32_MAX = 2**31 - 1
 # --- request bodies -----------------------------------------------------------------------------
 
 def _unicode(value: str) -> str:
-    requests.text(value, "the text")  # a lone surrogate: a "\ud800" escape in the JSON
+    validate.text(value, "the text")  # a lone surrogate: a "\ud800" escape in the JSON
     return value
 
 
@@ -111,7 +111,7 @@ def _check_strings(value, where: str) -> None:
     """Every string inside free-form JSON (a message's extra fields, template keywords)
     is valid Unicode: the template and the tokenizer cannot take a lone surrogate."""
     if isinstance(value, str):
-        requests.text(value, where)
+        validate.text(value, where)
     elif isinstance(value, dict):
         for k, v in value.items():
             _check_strings(k, where)

@@ -11,10 +11,10 @@ import concurrent.futures
 import queue
 import threading
 
-from .. import api, chat, requests, stops
+from .. import api, chat, stops, validate
 from ..options import Request
 from ..http_guard import Expired, Limits, within
-from ..requests import InputError
+from ..validate import InputError
 from .errors import APIError, draining
 
 PREPARE_THREADS = 2      # requests rendered and tokenized at once, off the event loop
@@ -205,7 +205,7 @@ class Preparer:
                 raise APIError(400, f"the prompt has {len(prompt)} characters: more than this "
                                     f"model's context of {self.context} tokens can hold",
                                param="prompt", code="context_length_exceeded")
-            ids = requests.prompt_ids(self.model, prompt)
+            ids = validate.prompt_ids(self.model, prompt)
         return [int(i) for i in ids]
 
     def _fits(self, prompt_len: int, max_tokens: int, field: str, max_tokens_field: str):

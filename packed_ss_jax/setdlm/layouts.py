@@ -9,7 +9,9 @@ Shapes are static: a window of W ranks is always laid out in full, and ranks >= 
 (and an absent N) are padding rows that see only themselves and that no row sees.
 Masks are data built from the window, since the order and the drafts change the
 pattern from call to call. Region names follow the paper: N (the correction not yet
-fed), O (the previous draft, rank order), M (verifier queries), R (draft queries).
+fed), O (the previous draft, rank order), M (verifier queries), R (draft queries). Each
+layout takes the pending N as `pend_tok` (its token), `pend_out` (its output index) and
+`pend_n` (1 when there is one, else 0: its row is then padding).
 """
 
 from __future__ import annotations
@@ -38,12 +40,12 @@ def _n_row(width: int):
     return jnp.zeros((1, width), bool).at[0, 0].set(True)
 
 
-def packed(n, n_tok, n_out, p, w: Window, drafts, mask_id: int) -> Call:
-    """Packed-SS `[N | O | M | R]`, 1 + 3W rows (p + 3u used):
+def packed(n, pend_tok, pend_out, pend_n, w: Window, drafts, mask_id: int) -> Call:
+    """Packed-SS `[N | O | M | R]`, 1 + 3W rows (pend_n + 3u used):
     O_r <- O_{K_r} + O_r, M_r <- O_{K_r} + M_r, R_r <- R_r; O, M, R also see N."""
     W = w.out.shape[0]
     K, I, Z = _earlier_drafts(w), jnp.eye(W, dtype=bool), jnp.zeros((W, W), bool)
-    sees_n = (w.active & (p > 0))[:, None]
+    sees_n = (w.active & (pend_n > 0))[:, None]
     mask = jnp.concatenate([
         _n_row(1 + 3 * W),
         jnp.concatenate([sees_n, K | I, Z, Z], axis=1),
@@ -51,21 +53,21 @@ def packed(n, n_tok, n_out, p, w: Window, drafts, mask_id: int) -> Call:
         jnp.concatenate([sees_n, Z, Z, I], axis=1),
     ])
     masks = jnp.full(W, mask_id, jnp.int32)
-    tokens = jnp.concatenate([jnp.where(p > 0, n_tok, mask_id)[None],
+    tokens = jnp.concatenate([jnp.where(pend_n > 0, pend_tok, mask_id)[None],
                               jnp.where(w.drafted, drafts, mask_id), masks, masks])
     pos = n + w.out
-    positions = jnp.concatenate([(n + jnp.maximum(n_out, 0))[None], pos, pos, pos])
+    positions = jnp.concatenate([(n + jnp.maximum(pend_out, 0))[None], pos, pos, pos])
     return _call(tokens, positions, mask)
 
 
-def quadratic(n, n_tok, n_out, p, w: Window, drafts, mask_id: int) -> Call:
+def quadratic(n, pend_tok, pend_out, pend_n, w: Window, drafts, mask_id: int) -> Call:
     """Quadratic-SS `[N | O | M | branch_0 .. branch_{W-1}]`, 1 + 2W + W^2 rows
-    (p + 2u + u^2 used). Branch b is the outcome "b drafts accepted": its W queries,
+    (pend_n + 2u + u^2 used). Branch b is the outcome "b drafts accepted": its W queries,
     one per rank, see N, the drafted O_s with s < b (what M_b sees) and themselves;
     branch 0 is Packed-SS's R."""
     W = w.out.shape[0]
     K, I, Z = _earlier_drafts(w), jnp.eye(W, dtype=bool), jnp.zeros((W, W), bool)
-    sees_n = (w.active & (p > 0))[:, None]
+    sees_n = (w.active & (pend_n > 0))[:, None]
     branch_o = jnp.broadcast_to(K[:, None, :], (W, W, W)).reshape(W * W, W)  # [b, k] -> s
     mask = jnp.concatenate([
         _n_row(1 + 2 * W + W * W),
@@ -74,23 +76,23 @@ def quadratic(n, n_tok, n_out, p, w: Window, drafts, mask_id: int) -> Call:
         jnp.concatenate([jnp.tile(sees_n, (W, 1)), branch_o, jnp.zeros((W * W, W), bool),
                          jnp.eye(W * W, dtype=bool)], axis=1),
     ])
-    tokens = jnp.concatenate([jnp.where(p > 0, n_tok, mask_id)[None],
+    tokens = jnp.concatenate([jnp.where(pend_n > 0, pend_tok, mask_id)[None],
                               jnp.where(w.drafted, drafts, mask_id),
                               jnp.full(W + W * W, mask_id, jnp.int32)])
     pos = n + w.out
-    positions = jnp.concatenate([(n + jnp.maximum(n_out, 0))[None], pos, pos, jnp.tile(pos, W)])
+    positions = jnp.concatenate([(n + jnp.maximum(pend_out, 0))[None], pos, pos, jnp.tile(pos, W)])
     return _call(tokens, positions, mask)
 
 
-def draft(n, n_tok, n_out, p, w: Window, mask_id: int) -> Call:
-    """Linear-SS drafting call `[N | R]`, 1 + W rows (p + u used)."""
+def draft(n, pend_tok, pend_out, pend_n, w: Window, mask_id: int) -> Call:
+    """Linear-SS drafting call `[N | R]`, 1 + W rows (pend_n + u used)."""
     W = w.out.shape[0]
-    sees_n = (w.active & (p > 0))[:, None]
+    sees_n = (w.active & (pend_n > 0))[:, None]
     mask = jnp.concatenate([_n_row(1 + W),
                             jnp.concatenate([sees_n, jnp.eye(W, dtype=bool)], axis=1)])
-    tokens = jnp.concatenate([jnp.where(p > 0, n_tok, mask_id)[None],
+    tokens = jnp.concatenate([jnp.where(pend_n > 0, pend_tok, mask_id)[None],
                               jnp.full(W, mask_id, jnp.int32)])
-    positions = jnp.concatenate([(n + jnp.maximum(n_out, 0))[None], n + w.out])
+    positions = jnp.concatenate([(n + jnp.maximum(pend_out, 0))[None], n + w.out])
     return _call(tokens, positions, mask)
 
 
@@ -107,7 +109,7 @@ def verify(n, w: Window, drafts, mask_id: int) -> Call:
 
 
 def native(n, c_tok, c_out, c_n, w: Window, mask_id: int) -> Call:
-    """Native decoder step `[C | Q]`, 2W rows (p + u used): the tokens committed last
+    """Native decoder step `[C | Q]`, 2W rows (pend_n + u used): the tokens committed last
     step as clean rows, causal in feeding order, then the window's MASK queries, each
     seeing every new clean row and itself (the release's inference step)."""
     W = w.out.shape[0]
@@ -121,10 +123,10 @@ def native(n, c_tok, c_out, c_n, w: Window, mask_id: int) -> Call:
     return _call(tokens, positions, mask)
 
 
-def serial(n, n_tok, n_out, p, w: Window, mask_id: int) -> Call:
+def serial(n, pend_tok, pend_out, pend_n, w: Window, mask_id: int) -> Call:
     """One-token-at-a-time reference `[N | M]`: the last token fed as a clean row and
     one MASK query at the left-most unresolved position."""
-    mask = jnp.array([[True, False], [False, True]]).at[1, 0].set(p > 0)
-    tokens = jnp.stack([jnp.where(p > 0, n_tok, mask_id), jnp.int32(mask_id)])
-    positions = jnp.stack([n + jnp.maximum(n_out, 0), n + w.out[0]])
+    mask = jnp.array([[True, False], [False, True]]).at[1, 0].set(pend_n > 0)
+    tokens = jnp.stack([jnp.where(pend_n > 0, pend_tok, mask_id), jnp.int32(mask_id)])
+    positions = jnp.stack([n + jnp.maximum(pend_out, 0), n + w.out[0]])
     return _call(tokens, positions, mask)

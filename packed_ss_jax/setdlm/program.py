@@ -22,50 +22,51 @@ from .state import State
 ORDERS = ("ltr", "confidence")
 
 
-def prompt_call(m, params, prompt, n, *, p, max_new, stop_tok, stop_len, sampler, key) -> State:
+def prompt_call(m, params, prompt, n, *, program, max_new, stop_tok, stop_len, sampler,
+                key) -> State:
     """The prompt call (1 NFE): a causal pass that fills the cache (App. E.2)."""
-    W, P = p.width, prompt.shape[0]
+    W, P = program.width, prompt.shape[0]
     _, kv = calls.run_call(m, params, calls.prefill(prompt), m.empty_cache(0), 0,
                            jnp.zeros(1, jnp.int32))
     # Headroom past `capacity` keeps every commit of up to 1 + 2W rows in range.
-    S, C = p.capacity + 2 * W + 2, p.capacity + W
+    S, out_len = program.capacity + 2 * W + 2, program.capacity + W
     cache = cache_lib.commit(m.empty_cache(S), kv, jnp.arange(P), 0)
-    Np = W if p.schedule == "native" else 1
-    iters = 2 * p.capacity + 2  # E or the unresolved count below E drops every iteration
+    Np = W if program.schedule == "native" else 1
+    iters = 2 * program.capacity + 2  # E or the unresolved count below E drops every iteration
     sampled = {} if sampler.greedy else dict(
         key=key, q=StoredQ.empty(sampler, W, m.vocab_size), q_out=jnp.full(W, -1, jnp.int32),
         sampler=sampler)
     return State(
         cache=cache, cache_len=jnp.asarray(n, jnp.int32), slot_out=jnp.full(S, -1, jnp.int32),
-        n=jnp.asarray(n, jnp.int32), tok=jnp.zeros(C, jnp.int32), res=jnp.zeros(C, bool),
-        draft=jnp.zeros(C, jnp.int32), has_draft=jnp.zeros(C, bool),
-        score=jnp.full(C, -jnp.inf, jnp.float32), pend_tok=jnp.zeros(Np, jnp.int32),
+        n=jnp.asarray(n, jnp.int32), tok=jnp.zeros(out_len, jnp.int32), res=jnp.zeros(out_len, bool),
+        draft=jnp.zeros(out_len, jnp.int32), has_draft=jnp.zeros(out_len, bool),
+        score=jnp.full(out_len, -jnp.inf, jnp.float32), pend_tok=jnp.zeros(Np, jnp.int32),
         pend_out=jnp.full(Np, -1, jnp.int32), pend_n=jnp.int32(0),
         E=jnp.asarray(max_new, jnp.int32), stop_tok=stop_tok, stop_len=stop_len,
         done=jnp.bool_(False), nfe=jnp.int32(1), iterations=jnp.int32(0), rows=jnp.int32(0),
-        max_rows=jnp.int32(0), hist=jnp.zeros(W + 1, jnp.int32),
+        max_rows=jnp.int32(0), accept_hist=jnp.zeros(W + 1, jnp.int32),
         trace_out=jnp.full((iters, W), -1, jnp.int32), trace_A=jnp.zeros(iters, jnp.int32),
         trace_fed=jnp.zeros(iters, jnp.int32), **sampled)
 
 
-def build(m, p) -> Loop:
+def build(m, program) -> Loop:
     """The decode loop of one program (see the module doc)."""
-    step = SCHEDULES[p.schedule]
+    step = SCHEDULES[program.schedule]
 
     def init(params, prompt, n, limits, key):
-        sampler = p.sampling.bind(limits["temperature"], limits["top_p"])
-        return prompt_call(m, params, prompt, n, p=p, max_new=limits["max_new"],
-                     stop_tok=limits["stop_tok"], stop_len=limits["stop_len"], sampler=sampler,
-                     key=key)
+        sampler = program.sampling.bind(limits["temperature"], limits["top_p"])
+        return prompt_call(m, params, prompt, n, program=program, max_new=limits["max_new"],
+                           stop_tok=limits["stop_tok"], stop_len=limits["stop_len"],
+                           sampler=sampler, key=key)
 
     def sampler_of(s):
-        return p.sampling.bind(None, None) if p.sampling.greedy else s.sampler
+        return program.sampling.bind(None, None) if program.sampling.greedy else s.sampler
 
     def outcome(s):
         return dict(tokens=s.tok, n_tokens=s.E, nfe=s.nfe, iterations=s.iterations,
-                    accept_hist=s.hist, nonfinite_at=s.nonfinite_at, stopped=s.stopped, rows=s.rows,
-                    max_rows=s.max_rows, trace_order=s.trace_out, trace_accepted=s.trace_A,
-                    trace_fed=s.trace_fed)
+                    accept_hist=s.accept_hist, nonfinite_at=s.nonfinite_at, stopped=s.stopped,
+                    rows=s.rows, max_rows=s.max_rows, trace_order=s.trace_out,
+                    trace_accepted=s.trace_A, trace_fed=s.trace_fed)
 
     def progress(s):
         # The resolved prefix is final: a stop marker completed later ends past it (its
@@ -73,5 +74,5 @@ def build(m, p) -> Loop:
         return s.tok, jnp.minimum(leading_true(s.res), s.E), s.done
 
     return Loop(init=init, outcome=outcome, progress=progress,
-                step=lambda params, s: step(m, params, s, W=p.width, order=p.order,
+                step=lambda params, s: step(m, params, s, W=program.width, order=program.order,
                                             sampler=sampler_of(s)))

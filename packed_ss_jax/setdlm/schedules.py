@@ -43,7 +43,9 @@ from .state import (State, accept, commit, finish, first_ranks, matches, predict
 THRESHOLD = 0.9  # the release's confidence threshold (E.6 "Native baseline")
 
 
-def _n(s: State):
+def _pending(s: State):
+    """The layouts' arguments after `n`: the pending token N (committed last iteration,
+    not yet in the cache), its output index, and whether there is one (0 or 1)."""
     return s.pend_tok[0], s.pend_out[0], s.pend_n
 
 
@@ -82,14 +84,14 @@ def _verify(m, logits, drafts, draft_len, q: StoredQ | None, w, sampler: Sampler
     return h, C[: drafts.shape[0]]
 
 
-def _verified(s: State, w, v, h, kv, p, A):
+def _verified(s: State, w, v, h, kv, pend_n, A):
     """Accepts ranks < A, commits N and the h matched O rows (rows 0..W of the call),
     and keeps the correction at rank h, if any, for the next N row."""
     W = w.out.shape[0]
     s = accept(s, w, v, first_ranks(w, A))
-    rows = jnp.minimum(jnp.arange(1 + W) + (1 - p), W)  # N present: row 0; else start at O_0
+    rows = jnp.minimum(jnp.arange(1 + W) + (1 - pend_n), W)  # N present: row 0; else start at O_0
     outs = jnp.concatenate([s.pend_out[:1], w.out])[rows]
-    s = commit(s, kv, rows, outs, p + h)
+    s = commit(s, kv, rows, outs, pend_n + h)
     has_correction = h < w.u
     return set_pending(s, v[jnp.minimum(h, W - 1)][None], w.out[jnp.minimum(h, W - 1)][None],
                        has_correction.astype(jnp.int32))
@@ -107,42 +109,42 @@ def _store(s: State, w, z, score, q: StoredQ | None, A) -> State:
 def _one_call(m, params, s: State, W: int, order: str, sampler: Sampler, layout,
               proposal_rows: int):
     """A one-call step (Packed, Quadratic): the call over `[N | O | M | drafting rows]`;
-    its M rows verify the stored drafts. Returns the state, window, p, the call's logits
+    its M rows verify the stored drafts. Returns the state, window, pend_n, the call's logits
     (M rows, then the drafting rows), kv, h, v and the key left for the next drafts."""
     s, (k_verify, k_draft) = sampling.next_keys(s, 2, sampler)
     w = window(s, W, order, use_drafts=True)
-    n_tok, n_out, p = _n(s)
+    pend_n = s.pend_n
     drafts = s.draft[w.out]
-    call = layout(s.n, n_tok, n_out, p, w, drafts, m.mask_id)
+    call = layout(s.n, *_pending(s), w, drafts, m.mask_id)
     logits, kv = forward_visible(m, params, call, s, 1 + W + jnp.arange(W + proposal_rows))
     q = None if sampler.greedy else _stored_q(s, w)
     h, v = _verify(m, logits[:W], drafts, w.kappa, q, w, sampler, k_verify)
-    return s, w, p, logits, kv, h, v, k_draft
+    return s, w, pend_n, logits, kv, h, v, k_draft
 
 
 def packed(m, params, s: State, *, W: int, order: str, sampler: Sampler) -> State:
-    s, w, p, logits, kv, h, v, k_draft = _one_call(m, params, s, W, order, sampler,
+    s, w, pend_n, logits, kv, h, v, k_draft = _one_call(m, params, s, W, order, sampler,
                                                    layouts.packed, W)  # M then R
     z, score, q = _propose(logits[W:], sampler, m.mask_id, k_draft)  # from P_{t-1}
     A = jnp.minimum(h + 1, w.u)
-    s = _verified(s, w, v, h, kv, p, A)
+    s = _verified(s, w, v, h, kv, pend_n, A)
     s = _store(s, w, z, score, q, A)
-    rows = p + 3 * w.u
+    rows = pend_n + 3 * w.u
     return finish(s, w, first_ranks(w, A), A, 1, rows, rows, verifier=logits[:W],
                   drafter=logits[W:])
 
 
 def quadratic(m, params, s: State, *, W: int, order: str, sampler: Sampler) -> State:
-    s, w, p, logits, kv, h, v, k_draft = _one_call(m, params, s, W, order, sampler,
+    s, w, pend_n, logits, kv, h, v, k_draft = _one_call(m, params, s, W, order, sampler,
                                                    layouts.quadratic, W * W)  # M, branches
     A = jnp.minimum(h + 1, w.u)
     # Branch h drafted the ranks after the correction given the h accepted drafts; the
     # next drafts come from it alone.
     branch = logits[W:].reshape(W, W, -1)[jnp.minimum(h, W - 1)]
     z, score, q = _propose(branch, sampler, m.mask_id, k_draft)
-    s = _verified(s, w, v, h, kv, p, A)
+    s = _verified(s, w, v, h, kv, pend_n, A)
     s = _store(s, w, z, score, q, A)
-    rows = p + 2 * w.u + w.u * w.u
+    rows = pend_n + 2 * w.u + w.u * w.u
     return finish(s, w, first_ranks(w, A), A, 1, rows, rows, verifier=logits[:W], drafter=branch)
 
 
@@ -150,11 +152,11 @@ def linear(m, params, s: State, *, W: int, order: str, sampler: Sampler) -> Stat
     s, (k_verify, k_draft) = sampling.next_keys(s, 2, sampler)
     # The order is fixed before the drafting call, from last iteration's verifier scores.
     w = window(s, W, order, use_drafts=False)
-    n_tok, n_out, p = _n(s)
-    d_logits, kv = forward_visible(m, params, layouts.draft(s.n, n_tok, n_out, p, w, m.mask_id), s,
-                            1 + jnp.arange(W))
+    pend_n = s.pend_n
+    d_logits, kv = forward_visible(m, params, layouts.draft(s.n, *_pending(s), w, m.mask_id), s,
+                                   1 + jnp.arange(W))
     z, _, q = _propose(d_logits, sampler, m.mask_id, k_draft)  # from the newest prefix
-    s = commit(s, kv, jnp.zeros(1, jnp.int32), s.pend_out[:1], p, after=z)  # N, cached now
+    s = commit(s, kv, jnp.zeros(1, jnp.int32), s.pend_out[:1], pend_n, after=z)  # N, cached now
     logits, kv = forward_visible(m, params, layouts.verify(s.n, w, z, m.mask_id), s, W + jnp.arange(W))
     h, v = _verify(m, logits, z, w.u, q, w, sampler, k_verify)
     A = jnp.minimum(h + 1, w.u)
@@ -165,24 +167,24 @@ def linear(m, params, s: State, *, W: int, order: str, sampler: Sampler) -> Stat
     if sampler.greedy:  # the verifier's confidences order the next window (E.6)
         _, v_prob = predict(logits, m.mask_id)
         s = store_drafts(s, w, v, v_prob, from_rank=A)
-    return finish(s, w, first_ranks(w, A), A, 2, p + 3 * w.u, jnp.maximum(p + w.u, 2 * w.u),
-                  verifier=logits, drafter=d_logits)
+    return finish(s, w, first_ranks(w, A), A, 2, pend_n + 3 * w.u,
+                  jnp.maximum(pend_n + w.u, 2 * w.u), verifier=logits, drafter=d_logits)
 
 
 def native(m, params, s: State, *, W: int, order: str, sampler: Sampler) -> State:
     w = window(s, W, "ltr", use_drafts=False)
     call = layouts.native(s.n, s.pend_tok, s.pend_out, s.pend_n, w, m.mask_id)
     logits, kv = forward_visible(m, params, call, s, W + jnp.arange(W))
-    p = s.pend_n
+    pend_n = s.pend_n
     x, conf = predict(logits, m.mask_id)
-    s = commit(s, kv, jnp.arange(W), s.pend_out, p, after=x)
+    s = commit(s, kv, jnp.arange(W), s.pend_out, pend_n, after=x)
     conf = jnp.where(w.active, conf, -1.0)
     take = w.active & ((conf >= THRESHOLD) | (jnp.arange(W) == jnp.argmax(conf)))
     s = accept(s, w, x, take)
     fed = jnp.argsort(~take, stable=True)  # fed next call in textual order
     A = jnp.sum(take).astype(jnp.int32)
     s = set_pending(s, x[fed], w.out[fed], A)
-    rows = p + w.u
+    rows = pend_n + w.u
     return finish(s, w, take, A, 1, rows, rows, verifier=logits)
 
 
@@ -190,18 +192,18 @@ def serial(m, params, s: State, *, W: int, order: str, sampler: Sampler) -> Stat
     """One token per call: the reference (greedy argmax, or plain ancestral sampling)."""
     s, (k,) = sampling.next_keys(s, 1, sampler)
     w = window(s, 1, "ltr", use_drafts=False)
-    n_tok, n_out, p = _n(s)
-    logits, kv = forward_visible(m, params, layouts.serial(s.n, n_tok, n_out, p, w, m.mask_id), s,
-                          jnp.ones(1, jnp.int32))
+    pend_n = s.pend_n
+    logits, kv = forward_visible(m, params, layouts.serial(s.n, *_pending(s), w, m.mask_id), s,
+                                 jnp.ones(1, jnp.int32))
     if sampler.greedy:
         v, _ = predict(logits, m.mask_id)
     else:
         v = sampling.sample_from(k, target(logits[0], sampler, m.mask_id))[None]
-    s = commit(s, kv, jnp.zeros(1, jnp.int32), s.pend_out[:1], p, after=v)
+    s = commit(s, kv, jnp.zeros(1, jnp.int32), s.pend_out[:1], pend_n, after=v)
     take = first_ranks(w, 1)
     s = accept(s, w, v, take)
     s = set_pending(s, v, w.out, jnp.int32(1))
-    return finish(s, w, take, jnp.int32(1), 1, p + 1, p + 1, verifier=logits)
+    return finish(s, w, take, jnp.int32(1), 1, pend_n + 1, pend_n + 1, verifier=logits)
 
 
 SCHEDULES = {"serial": serial, "native": native, "linear": linear, "quadratic": quadratic,

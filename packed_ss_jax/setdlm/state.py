@@ -63,7 +63,7 @@ class State:
     iterations: jax.Array
     rows: jax.Array        # uncached rows evaluated after the prompt call (Table 2 count)
     max_rows: jax.Array    # most rows in one call after the prompt call
-    hist: jax.Array        # [W+1]: iterations that kept k tokens
+    accept_hist: jax.Array        # [W+1]: iterations that kept k tokens
     trace_out: jax.Array   # [I, W] the order pi_t of each iteration (-1 padded)
     trace_A: jax.Array     # [I] A_t, accepted before the stop rule
     trace_fed: jax.Array   # [I] tokens left to feed as clean rows next call (N / C rows)
@@ -237,7 +237,7 @@ def finish(s: State, w: Window, take, A, calls: int, rows, call_rows, *, verifie
     filled = jnp.all(s.res | (jnp.arange(C) >= s.E))
     return s.replace(
         nfe=s.nfe + calls, rows=s.rows + rows, max_rows=jnp.maximum(s.max_rows, call_rows),
-        iterations=it + 1, hist=s.hist.at[kept].add(1), trace_out=trace_out,
+        iterations=it + 1, accept_hist=s.accept_hist.at[kept].add(1), trace_out=trace_out,
         trace_A=s.trace_A.at[it].set(A, mode="drop"),
         trace_fed=s.trace_fed.at[it].set(s.pend_n, mode="drop"),
         done=filled | (it + 1 >= s.trace_A.shape[0]) | bad)

@@ -22,6 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--problems", type=int, default=None, metavar="N",
+                   help="arithmetic problems in the training corpus (default: the family's, "
+                        "as the embedded model was trained); the practice and copying sheets "
+                        "number half as many each, and the tokenizer learns from at most N "
+                        "problems: a small N makes a short trial run start in seconds")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--intermediate", type=int, default=640)
@@ -32,6 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     given = {k: v for k, v in (("steps", args.steps), ("batch", args.batch),
                                ("seq_len", args.seq_len), ("lr", args.lr)) if v is not None}
+    if args.problems is not None:
+        if args.problems < 1:
+            p.error(f"--problems must be at least 1, got {args.problems}")
+        given |= {"n_problems": args.problems, "n_drills": max(args.problems // 2, 1),
+                  "n_recall": max(args.problems // 2, 1),
+                  "tokenizer_problems": min(args.problems,
+                                            TrainConfig.tokenizer_problems)}
     tc = TrainConfig.for_family(args.family, seed=args.seed, **given)
     model_kw = {"hidden": args.hidden, "layers": args.layers, "intermediate": args.intermediate}
     from .train import train

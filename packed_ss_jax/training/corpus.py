@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import hashlib
 import random
 import re
@@ -300,6 +301,13 @@ def _docstrings(src: str) -> list[str]:
 
 def prose(split: str) -> list[str]:
     """Docstrings of the standard library and pydoc help topics of one split."""
+    return list(_prose(split))
+
+
+@functools.lru_cache(maxsize=None)
+def _prose(split: str) -> tuple[str, ...]:
+    # Parsing every standard-library module takes seconds; training reads the split twice
+    # (the tokenizer, then the streams).
     out = []
     for p in stdlib_files():
         if split_of("prose:" + p.name) == split:
@@ -313,7 +321,7 @@ def prose(split: str) -> list[str]:
     for name in sorted(topics):
         if split_of("topic:" + name) == split:
             out.append(topics[name].strip())
-    return out
+    return tuple(out)
 
 
 def code_prompts(n: int = 10, length: int = 160) -> list[str]:

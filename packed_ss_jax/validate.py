@@ -1,4 +1,6 @@
-"""Checks of a decode request, shared by both families' decoders.
+"""Every check of a decode request, shared by both families' decoders: its options
+(`decode_options`: sampling, schedule and order, width, length, EOS), its prompt and seeds,
+and the values they are made of.
 
 Every argument is checked (and normalised to a Python value) before anything is
 allocated or compiled, so a careless call costs nothing and says what is wrong. NumPy
@@ -262,3 +264,78 @@ def prompt_list(prompts) -> list:
                              "for one prompt")
     return items
 
+
+def seeds_for(value, n: int) -> list[int]:
+    """One seed per prompt: `value` one seed for all, or the list of one per prompt."""
+    if is_int(value):
+        return [seed(value)] * n
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise InputError(f"seed must be an integer in [0, 2**32) or a list of one per prompt, "
+                         f"got {value!r:.80}")
+    values = [int(x) for x in seeds(value, "seed")]
+    if len(values) != n:
+        raise InputError(f"seed: {len(values)} seeds for {n} prompts; give one seed or one "
+                         "per prompt")
+    return values
+
+
+def _choice(value, name: str, choices, where: str = "") -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise InputError(f"unknown {name} {value!r}{where}; expected one of {sorted(choices)}")
+    return value
+
+
+def schedule_and_order(family, schedule, order, sampler: Sampler) -> None:
+    """The schedule, order and sampling combination is one the family decodes."""
+    _choice(schedule, "schedule", family.schedules, f" for {family.title} models")
+    if order != family.orders[0]:
+        if len(family.orders) == 1:
+            raise InputError(f"order {order!r}: {family.title} models verify in one order "
+                             f"only, order={family.orders[0]!r}")
+        _choice(order, "order", family.orders)
+        if schedule in family.orderless:
+            raise InputError(f"schedule {schedule!r} has no verification order; use "
+                             f"order={family.orders[0]!r}")
+    if not sampler.greedy:
+        if schedule not in family.sampled:
+            raise InputError(f"schedule {schedule!r} is greedy only: temperature must be 0; "
+                             f"sampling is supported by {sorted(family.sampled)}")
+        if order != family.orders[0]:
+            raise InputError("any-order sampling is not supported: temperature > 0 needs "
+                             f"order={family.orders[0]!r}")
+
+
+def given_width(family, options) -> int | None:
+    """The request's width under the family's own argument name (block_size or window)."""
+    given = {"block_size": options.block_size, "window": options.window}
+    other = [name for name, v in given.items() if v is not None and name != family.width_name]
+    if other:
+        raise InputError(f"{family.title} models take {family.width_name}=, not {other[0]}=")
+    return given[family.width_name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """A decode's options as checked values (`decode_options`)."""
+
+    sampler: Sampler
+    width: int           # the family's width (B or W) the schedule runs at
+    max_new: int
+    eos: int | None
+
+
+def decode_options(family, config, options) -> Checked:
+    """Every option of a `DecodeOptions` that needs no prompt, checked against the family
+    and the config (the stop sequences are read by stops.markers)."""
+    o = options
+    s = sampler(o.temperature, o.top_k, o.top_p)
+    schedule_and_order(family, o.schedule, o.order, s)
+    width = given_width(family, o)
+    if width is None:
+        width = config.block_size
+    width = family.width(o.schedule, integer(
+        width, family.width_name, family.min_width, MAX_CACHE,
+        "a block must fit the cache, whose positions are int32"))
+    max_new = integer(o.max_new_tokens, "max_new_tokens", 1, MAX_CACHE,
+                      "prompt + max_new_tokens must fit the cache, whose positions are int32")
+    return Checked(s, width, max_new, eos_id(o.eos_id, config, config.vocab_size))
