@@ -1,12 +1,15 @@
 import os
 from pathlib import Path
 
-# Compiling is most of the suite's time, and LLVM's unoptimised code generation takes
-# about a quarter off each compile. XLA's optimisation of the programs themselves (the HLO
-# that the structure tests read) is unchanged. Set before JAX starts its backend, and
-# inherited by the processes the tests start.
+# Compiling is most of the suite's time, and two code-generation settings more than halve
+# each compile (docs/testing.md): LLVM's unoptimised code generation, and XLA's CPU loop
+# emitters instead of its fusion emitters. The second also moves XLA's fusion decisions,
+# so the tests that read a compiled program's HLO compile as a user's process does
+# (`user_codegen`). Set before JAX starts its backend, and inherited by the processes the
+# tests start.
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
-                                                 "--xla_backend_optimization_level=0"]))
+                                                 "--xla_backend_optimization_level=0",
+                                                 "--xla_cpu_use_fusion_emitters=false"]))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -60,6 +63,25 @@ def programs_per_module():
     yield
     from packed_ss_jax import engine
 
+    engine.clear_programs()
+
+
+@pytest.fixture
+def user_codegen(monkeypatch):
+    """Every program compiled during the test is compiled with a user's code generation
+    (hlo.USER_CODEGEN), so the HLO a structure test reads is the one users run. Programs
+    held from before are let go first, so that none compiled otherwise is read."""
+    from hlo import USER_CODEGEN
+    from packed_ss_jax import engine
+
+    engine.clear_programs()
+    compile = jax.stages.Lowered.compile
+
+    def as_users(self, compiler_options=None, **kwargs):
+        return compile(self, {**USER_CODEGEN, **(compiler_options or {})}, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", as_users)
+    yield
     engine.clear_programs()
 
 

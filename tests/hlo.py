@@ -14,6 +14,11 @@ import numpy as np
 _HEADER = re.compile(r"^(?:ENTRY )?%(\S+) .*\{\s*$")
 _CALLS = re.compile(r"(?:calls|body|condition|to_apply)=%([\w.\-]+)")
 _RESULT = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([0-9,]*)\]\S* ([\w\-]+)\(")
+# XLA options that give a compiled program the code generation of a user's process: the
+# test run's XLA_FLAGS turn XLA's CPU fusion emitters off to compile faster, which moves
+# its fusion decisions (conftest.py). Programs whose HLO a test reads are compiled with
+# these (the `user_codegen` fixture, or `compile(USER_CODEGEN)`).
+USER_CODEGEN = {"xla_cpu_use_fusion_emitters": True}
 HLO_DTYPES = {"float32": "f32", "bfloat16": "bf16", "uint16": "u16", "float16": "f16"}
 
 

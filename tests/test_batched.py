@@ -142,6 +142,7 @@ def test_bench_batches_give_each_prompts_tokens():
         harness.run(model, prompts, ["packed"], {"packed": 4}, batching="dynamic", **kw)
 
 
+@pytest.mark.usefixtures("user_codegen")  # reads the compiled HLO
 @pytest.mark.parametrize("family,temperature", [("nemotron", 1.0), ("setdlm", 0.0)])
 def test_continuous_batching_gives_each_prompts_tokens(family, temperature):
     """Nine prompts through four slots: each result is the prompt decoded alone. The

@@ -106,6 +106,7 @@ def test_loader_errors(tmp_path):
         tasks.load("nope", None, None)
 
 
+@pytest.mark.usefixtures("user_codegen")  # reads the compiled HLO
 def test_doubled_model_decodes_identically_with_twice_the_forwards():
     import packed_ss_jax as ps
 

@@ -19,7 +19,7 @@ from packed_ss_jax import cache as cache_lib
 from packed_ss_jax import model as model_lib
 from packed_ss_jax.model import Model
 from tools.synthetic_checkpoint import model_config
-from hlo import body_results, hlo_dtype, loop_state, rebuilt
+from hlo import USER_CODEGEN, body_results, hlo_dtype, loop_state, rebuilt
 
 B = 32
 ITEMSIZE = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "u16": 2, "s16": 2, "pred": 1,
@@ -39,7 +39,7 @@ def program(request, model):
     engine = ps.Engine(model)
     req = engine.request([1], ps.DecodeOptions(schedule=request.param, block_size=B,
                                                cache_size=CAPACITY, max_new_tokens=1))
-    exe = engine.lower(req).compile()
+    exe = engine.lower(req).compile(USER_CODEGEN)  # the HLO a user's process compiles
     return request.param, exe, exe.as_text()
 
 

@@ -16,6 +16,9 @@ from packed_ss_jax.sampling import Sampler
 from hlo import body_results, hlo_dtype, loop_state, rebuilt
 from tiny import tiny_model
 
+# Every program here is compiled as a user's process compiles it (conftest.user_codegen).
+pytestmark = pytest.mark.usefixtures("user_codegen")
+
 CAPACITY = 96
 # bf16 programs get a cache long enough for the live-length read (model.attend), where
 # this backend uses it: that is the read checked.

@@ -60,6 +60,7 @@ def test_chunks_are_the_one_shot_decode(family, schedule, temperature, order):
             assert len(pieces) > 2  # it did stream: several launches gave tokens
 
 
+@pytest.mark.usefixtures("user_codegen")  # reads the compiled HLO
 @pytest.mark.parametrize("family", ["nemotron", "setdlm"])
 def test_generate_donates_the_state_and_keeps_the_cache_in_place(family):
     m = MODELS[family]()
