@@ -71,7 +71,7 @@ def _empty_launch_times(e: Engine, request) -> list[float]:
     empty = []
     for _ in range(200):
         t0 = time.perf_counter()
-        c.state, progress = e._generate(c.state, 0, request.program)
+        c.state, progress = e.dispatch(c.state, 0, request.program)
         jax.device_get(progress)
         empty.append(time.perf_counter() - t0)
     return empty

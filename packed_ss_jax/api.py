@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import chat, continuous, families, options as options_lib, stops, validate
+from . import chat, continuous, families, options as options_lib, validate
 from .config import ModelConfig
-from .detokenize import Detokenizer
+from .chunks import Chunker, StreamChunk
 from .engine import DEFAULT_CHUNK, Engine, Streaming
 from .options import DecodeOptions, Request
 from .results import DecodeResult
@@ -26,15 +26,6 @@ from .validate import InputError, InputTypeError
 
 __all__ = ["DecodeResult", "StreamChunk", "decode", "decode_continuous", "decoder", "logits",
            "stream"]
-
-
-@dataclasses.dataclass
-class StreamChunk:
-    """What one launch of a streamed decode produced."""
-
-    tokens: list[int]               # ids that became final (in order; all chunks: the output)
-    text: str | None                # text that became stable (None without a tokenizer)
-    result: DecodeResult | None = None  # on the last chunk: the whole decode, as `decode`'s
 
 
 def as_model(model, config: ModelConfig | None = None):
@@ -223,30 +214,14 @@ def stream_request(model, request: Request, chunk: int = DEFAULT_CHUNK):
 
 
 def _chunks(model, decoding: Streaming, stop_texts) -> Iterator[StreamChunk]:
-    tokenizer = getattr(model, "tokenizer", None)
-    text = Detokenizer(tokenizer.decode) if tokenizer is not None else None
-    sent_ids, sent_text = 0, ""
+    chunker = Chunker(getattr(model, "tokenizer", None), stop_texts)
     while not decoding.done:
-        new = decoding.launch()
-        if text is None:
-            if not decoding.done:  # the last launch's ids come with the result
-                sent_ids += len(new)
-                yield StreamChunk(new, None)
-            continue
-        text.add(new)
-        stable = text.text
-        if stops.find_text(stable, stop_texts) is not None:
+        chunk = chunker.add(decoding.launch(), decoding.done)
+        if chunker.ended:
             break  # the output ends here: the result cuts it at the stop
-        visible = stable[: len(stable) - stops.holdback(stable, stop_texts)]
-        if not decoding.done:
-            piece, sent_text = visible[len(sent_text):], visible
-            sent_ids += len(new)
-            yield StreamChunk(new, piece)
-    result = decoding.result()
-    last_text = None
-    if result.text is not None:
-        last_text = result.text[len(sent_text):] if result.text.startswith(sent_text) else ""
-    yield StreamChunk(result.tokens[sent_ids:], last_text, result)
+        if chunk is not None:
+            yield chunk
+    yield chunker.last(decoding.result())
 
 
 def decoder(model_or_config, *, schedule: str = "packed", block_size: int | None = None,

@@ -165,6 +165,19 @@ def text(value: str) -> str:
         raise argparse.ArgumentTypeError(f"{e}; the command line must be UTF-8") from None
 
 
+def origins(value: str) -> tuple[str, ...]:
+    """Web origins, comma-separated (`https://app.example.com,http://localhost:3000`), or
+    `*` for any: each a scheme, a host and an optional port, as a browser sends it."""
+    found = tuple(x.strip() for x in text(value).split(",") if x.strip())
+    if not found:
+        raise argparse.ArgumentTypeError("no origin given")
+    for origin in found:
+        if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+            raise argparse.ArgumentTypeError(
+                f"{_shown(origin)} is not an origin (scheme://host[:port], no path)")
+    return found
+
+
 # Bounds of the multi-host arguments: JAX takes the count as int32 and allocates per
 # process (2**31 - 1 processes hang it), far more than any real run.
 MAX_PROCESSES = 2**16

@@ -13,9 +13,9 @@ import re
 import sys
 
 from . import families
-from .arguments import (Parser, UsageError, int_at_least, load_model, model_args, probability,
-                        run_command, seconds, seed, temperature, text, token_ids, width_args,
-                        width_of)
+from .arguments import (Parser, UsageError, int_at_least, load_model, model_args, origins,
+                        probability, run_command, seconds, seed, temperature, text, token_ids,
+                        width_args, width_of)
 
 
 # --- commands -------------------------------------------------------------------------------------
@@ -249,9 +249,25 @@ def _serve_parser(prog: str) -> Parser:
     p.add_argument("--schedule", default="packed", choices=families.all_schedules(),
                    help="decoding schedule (default packed)")
     width_args(p)
+    p.add_argument("--max-num-seqs", type=int_at_least(1, 256), default=8,
+                   help="requests (each choice of one) decoded at once, in the slots of one "
+                        "batched state per kind of sampling (default 8)")
+    p.add_argument("--max-model-len", type=int_at_least(2), default=None,
+                   help="the most tokens a request may hold, prompt and output (the cache "
+                        "size of every slot; default: the model's context, at most 4096)")
+    p.add_argument("--steps-per-launch", type=int_at_least(1, 1024), default=4,
+                   help="decode loop iterations between two looks of the host: fewer reach "
+                        "clients and start waiting requests sooner, at a host round trip "
+                        "each (default 4)")
+    p.add_argument("--max-queue", type=int_at_least(0), default=256,
+                   help="requests waiting for a slot past this get 503 with Retry-After "
+                        "(default 256)")
     p.add_argument("--api-key", type=text, default=os.environ.get("PACKED_SS_API_KEY") or None,
                    help="clients must send 'Authorization: Bearer KEY' (default: "
                         "$PACKED_SS_API_KEY; none: no key)")
+    p.add_argument("--allowed-origins", type=origins, default=(),
+                   help="web origins whose pages may call the server from a browser (CORS), "
+                        "comma-separated, or '*' for any (default: none)")
     p.add_argument("--max-body-bytes", type=int_at_least(1024), default=d.max_body_bytes,
                    help=f"larger request bodies get 413 (default {d.max_body_bytes})")
     p.add_argument("--max-connections", type=int_at_least(1), default=d.max_connections,
@@ -287,7 +303,8 @@ def _limits(args):
     return Limits(max_body_bytes=args.max_body_bytes, max_connections=args.max_connections,
                   header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
                   prepare_timeout_s=args.prepare_timeout,
-                  drain_timeout_s=args.drain_timeout, api_key=args.api_key, docs=args.docs)
+                  drain_timeout_s=args.drain_timeout, api_key=args.api_key, docs=args.docs,
+                  allowed_origins=args.allowed_origins)
 
 
 def _serving_app(args, limits):
@@ -300,8 +317,19 @@ def _serving_app(args, limits):
     _check_schedule(args.schedule, family)
     width = width_of(args, family)
     name = args.served_model_name or model_name(args.model)
+    context = model.config.max_position_embeddings
+    if args.max_model_len is not None and args.max_model_len > context:
+        raise UsageError(f"--max-model-len {args.max_model_len} is longer than the model's "
+                         f"context of {context} tokens")
+    print("compiling the server's programs ...", file=sys.stderr, flush=True)
     app = create_app(model, name, schedule=args.schedule, limits=limits,
-                     width=None if width is None else {family.width_name: width})
+                     width=None if width is None else {family.width_name: width},
+                     max_model_len=args.max_model_len, slots=args.max_num_seqs,
+                     steps=args.steps_per_launch, max_queue=args.max_queue)
+    d = app.app.state.decoder
+    print(f"ready in {d.warm_s:.1f} s: {d.programs} programs for {d.slots} slots per kind of "
+          f"sampling (greedy, sampled, top-p), requests of up to {d.capacity} tokens",
+          file=sys.stderr, flush=True)
     return app, name
 
 
@@ -349,8 +377,12 @@ def _serve(argv: list[str] | None, prog: str) -> int:
     from .server import serve
 
     limits = _limits(args)
-    app, name = _serving_app(args, limits)
-    sock = _listen(args.host, args.port)
+    sock = _listen(args.host, args.port)  # a port in use is refused before compiling
+    try:
+        app, name = _serving_app(args, limits)
+    except BaseException:
+        sock.close()
+        raise
     _announce(args, name, sock.getsockname()[1])
     ended = serve(app, sock, limits)
     print(f"{prog}: stopped", file=sys.stderr, flush=True)

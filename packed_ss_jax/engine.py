@@ -78,16 +78,28 @@ def to_host(out):
 
 def max_programs() -> int:
     """How many compiled programs all engines of this process hold together
-    (`PACKED_SS_MAX_PROGRAMS`, default DEFAULT_MAX_PROGRAMS): each compiled CPU program
-    maps hundreds of memory regions and a process may map 65530, so a process that meets
-    many shapes (a server, a test run) must let old programs go. One used again is
-    compiled again, or read back from the persistent compilation cache."""
+    (`PACKED_SS_MAX_PROGRAMS`, default DEFAULT_MAX_PROGRAMS, and at least what
+    `keep_at_least` asked for): each compiled CPU program maps hundreds of memory regions
+    and a process may map 65530, so a process that meets many shapes (a test run, a
+    notebook) must let old programs go. One used again is compiled again, or read back
+    from the persistent compilation cache."""
     value = os.environ.get("PACKED_SS_MAX_PROGRAMS", "")
     try:
-        return max(int(value), 1) if value else DEFAULT_MAX_PROGRAMS
+        bound = max(int(value), 1) if value else DEFAULT_MAX_PROGRAMS
     except ValueError:
         raise ValueError(f"PACKED_SS_MAX_PROGRAMS must be a positive integer, "
                          f"got {value!r}") from None
+    return max(bound, _floor)
+
+
+_floor = 0
+
+
+def keep_at_least(n: int) -> None:
+    """Raises the bound on held programs to at least `n`, for a process that compiles a
+    known set up front and must never compile again (the server)."""
+    global _floor
+    _floor = max(_floor, n)
 
 
 class Programs(dict):
@@ -330,7 +342,10 @@ class Engine:
             put = jax.tree.map(lambda b, x: b.at[slot].set(x.astype(b.dtype)), s, prefix)
             return pin(put)
 
-        fns = (pin, insert, generate, jax.vmap(loop.outcome))
+        def halt(s, slot):
+            return pin(s.replace(done=s.done.at[slot].set(True)))
+
+        fns = (pin, insert, generate, jax.vmap(loop.outcome), halt)
         self._slot_fns[shape] = fns
         return fns
 
@@ -375,14 +390,25 @@ class Engine:
                               donate=(0,))
         return exe(state, prefix.state, slot)
 
+    def halt(self, state, slot: int, program: Program):
+        """`state` (donated) with slot `slot` stopped: `generate` leaves it as it is, and
+        its outcome is its output so far (a request ended early: a stop text seen on the
+        host, a client gone)."""
+        n = int(state.done.shape[0])
+        halt = self._slot_programs(program, n)[4]
+        slot = self.place(np.int32(validate.integer(slot, "slot", 0, n - 1)))
+        exe, _ = self.compile(("halt", _slot(program), n), halt, state, slot, donate=(0,))
+        return exe(state, slot)
+
     def generate(self, state, k: int, program: Program) -> tuple[Any, Progress]:
         """At most `k` more loop iterations of every slot of `state` (donated); the state
         after them and, per slot, its `Progress` (host arrays)."""
-        s, progress = self._generate(state, k, program)
+        s, progress = self.dispatch(state, k, program)
         return s, Progress(*to_host(progress))
 
-    def _generate(self, state, k: int, program: Program):
-        """`generate` without reading the progress back (it stays on the device)."""
+    def dispatch(self, state, k: int, program: Program):
+        """`generate` without reading the progress back: (the state, the progress on the
+        device), returned as soon as the launch is dispatched."""
         n = int(state.done.shape[0])
         generate = self._slot_programs(program, n)[2]
         k = self.place(np.int32(validate.integer(k, "k", 0, validate.INT32_MAX,
@@ -441,7 +467,7 @@ class Streaming:
         """The first call, into a one-slot state, and its progress (no iteration yet)."""
         e, p = self.engine, self.request.program
         state = e.insert(e.prefill(self.request), e.slots(p, 1), 0)
-        self.state, self._progress = e._generate(state, 0, p)
+        self.state, self._progress = e.dispatch(state, 0, p)
 
     def launch(self) -> list[int]:
         """The ids that became final in the next launch (at most k iterations)."""
@@ -451,7 +477,7 @@ class Streaming:
         if self.state is None:
             self._first()
         progress = self._progress
-        self.state, self._progress = self.engine._generate(self.state, self.k,
+        self.state, self._progress = self.engine.dispatch(self.state, self.k,
                                                            self.request.program)
         tokens, final, done, stopped = to_host(progress)
         count = int(final[0])

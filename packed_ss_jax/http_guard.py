@@ -23,9 +23,15 @@ import asyncio
 import dataclasses
 import hmac
 import json
+import logging
+import time
 from typing import Callable
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+
+# One line per request: client, method, path, status, seconds (`packed-ss serve` prints it).
+access = logging.getLogger("packed_ss.access")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +51,8 @@ class Limits:
     drain_timeout_s: float = 10.0
     api_key: str | None = None
     docs: bool = False
+    # Web pages of these origins may call the server from a browser (CORS); "*": any.
+    allowed_origins: tuple[str, ...] = ()
 
 
 def error_body(message: str, type_: str, param=None, code=None) -> dict:
@@ -78,8 +86,23 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        t0, status = time.perf_counter(), []
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        try:
+            return await self._guarded(scope, receive, sending)
+        finally:  # one line per request, when its response has ended
+            client = scope.get("client") or ("-", 0)
+            access.info("%s %s %s %s %.3fs", client[0], scope["method"], scope["path"],
+                        status[0] if status else "-", time.perf_counter() - t0)
+
+    async def _guarded(self, scope, receive, send):
         if self.limits.api_key is not None and scope["path"] not in self.OPEN \
-                and not self._authorized(scope):
+                and not self._preflight(scope) and not self._authorized(scope):
             return await _reply(send, 401, error_body(
                 "a valid API key is needed: send 'Authorization: Bearer <key>'",
                 "invalid_request_error", code="invalid_api_key"),
@@ -102,6 +125,12 @@ class Guard:
                 f"the request body did not arrive within {self.limits.body_timeout_s:g} s",
                 "invalid_request_error", code="request_timeout"))
         return await self.app(scope, _replay(body, receive), send)
+
+    def _preflight(self, scope) -> bool:
+        """A browser's CORS preflight (it never carries credentials), when CORS is on: the
+        app's CORS middleware answers it."""
+        return (bool(self.limits.allowed_origins) and scope["method"] == "OPTIONS"
+                and _header(scope, b"access-control-request-method") is not None)
 
     def _authorized(self, scope) -> bool:
         given = _header(scope, b"authorization") or b""

@@ -67,7 +67,7 @@ class Server:
 def running(*args: str, timeout: float = 180, env: dict | None = None):
     """A `packed-ss serve --port 0 ARGS` process (`env`: more environment), ready;
     killed on the way out."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PACKED_SS_COMPILE_CACHE="off", **(env or {}))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
     env.pop("PACKED_SS_API_KEY", None)
     proc = subprocess.Popen([sys.executable, "-m", "packed_ss_jax", "serve", "--port", "0",
                              *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -126,3 +126,27 @@ def is_openai_error(body) -> bool:
     return (isinstance(body, dict) and isinstance(body.get("error"), dict)
             and set(body["error"]) == {"message", "type", "param", "code"}
             and isinstance(body["error"]["message"], str) and body["error"]["message"] != "")
+
+
+@contextlib.contextmanager
+def in_process(app):
+    """An app (`create_app`) served by uvicorn on a thread of this process, so that a
+    test's wrappers see the server's calls; its base URL. Stopped on the way out."""
+    import uvicorn
+
+    from packed_ss_jax.server import bind
+
+    sock = bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the app did not start"
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()

@@ -6,22 +6,19 @@ In process: a request is checked, its chat template rendered and its prompt toke
 once, and the decoder runs that checked request."""
 
 import concurrent.futures
-import contextlib
 import http.client
 import itertools
 import json
 import signal
-import threading
 import time
 
 import pytest
-import uvicorn
 
 import packed_ss_jax as ps
-from packed_ss_jax import api, chat, options
+from packed_ss_jax import chat, options
 from packed_ss_jax.model import Model
-from packed_ss_jax.server import bind, create_app
-from servers import events, request, running
+from packed_ss_jax.server import create_app
+from servers import events, in_process, request, running
 
 openai = pytest.importorskip("openai")
 
@@ -132,7 +129,7 @@ BAD = [
      "temperature"),
     ("/v1/completions", {"model": "nld-tiny", "prompt": "x", "seed": 1.5}, 400, "seed"),
     ("/v1/completions", {"model": "nld-tiny", "prompt": [1, 99999]}, 400, None),
-    ("/v1/completions", {"model": "nld-tiny", "prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": "nld-tiny", "prompt": "x", "n": 17}, 400, "n"),
     ("/v1/completions", {"model": "nld-tiny"}, 400, "prompt"),
     ("/v1/chat/completions", {"model": "nld-tiny", "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": "nld-tiny", "messages": [{"content": "x"}]}, 400, None),
@@ -193,27 +190,6 @@ class _CountingTokenizer:
         return getattr(self._tokenizer, name)
 
 
-@contextlib.contextmanager
-def _in_process(model):
-    """`create_app(model)` served by uvicorn on a thread of this process (so that the
-    test's wrappers see the server's calls); its base URL."""
-    sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(model, "nld-tiny"), lifespan="on",
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the app did not start"
-            time.sleep(0.01)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
-
-
 def test_a_request_is_checked_rendered_and_tokenized_once(monkeypatch):
     tokenizer = _CountingTokenizer(MODEL.tokenizer)
     model = Model(config=MODEL.config, params=MODEL.stored_params, tokenizer=tokenizer,
@@ -224,27 +200,28 @@ def test_a_request_is_checked_rendered_and_tokenized_once(monkeypatch):
         checked.append(prepare.real(*args, **kwargs))
         return checked[-1]
 
-    def stream_request(model, request, *args, **kwargs):
+    def prefill(self, request):
         streamed.append(request)
-        return stream_request.real(model, request, *args, **kwargs)
+        return prefill.real(self, request)
 
     def render(self, *args, **kwargs):
         renders.append(args[0])
         return render.real(self, *args, **kwargs)
 
-    prepare.real, stream_request.real, render.real = (
-        options.request, api.stream_request, chat.ChatTemplate.render)
+    prepare.real, prefill.real, render.real = (
+        options.request, ps.Engine.prefill, chat.ChatTemplate.render)
     monkeypatch.setattr(options, "request", prepare)
-    monkeypatch.setattr(api, "stream_request", stream_request)
+    monkeypatch.setattr(ps.Engine, "prefill", prefill)
     monkeypatch.setattr(chat.ChatTemplate, "render", render)
     stop = "Question:"
     common = {"model": "nld-tiny", "max_tokens": 4, "temperature": 0, "stop": [stop]}
     asks = {"/v1/completions": {**common, "prompt": _question(5)},
             "/v1/chat/completions": {**common, "messages": [{"role": "user",
                                                              "content": _question(5)}]}}
-    with _in_process(model) as base:
+    app = create_app(model, "nld-tiny", max_model_len=64, slots=2)
+    with in_process(app) as base:
         for (path, body), streaming in itertools.product(asks.items(), (False, True)):
-            for seen in (checked, streamed, renders, tokenizer.texts):
+            for seen in (checked, streamed, renders, tokenizer.texts):  # not the warm-up's
                 seen.clear()
             if streaming:
                 code, got = events(base, path, {**body, "stream": True})
@@ -253,7 +230,7 @@ def test_a_request_is_checked_rendered_and_tokenized_once(monkeypatch):
                 code, got = request(base, "POST", path, body)
             assert code == 200, got
             is_chat = path == "/v1/chat/completions"
-            # One check (options.request), and the decoder streams exactly that request.
+            # One check (options.request), and the decoder starts exactly that request.
             assert len(checked) == 1 and len(streamed) == 1 and streamed[0] is checked[0]
             # The template rendered once (chat only); the prompt and the stop string
             # tokenized once each.

@@ -8,36 +8,56 @@ import contextlib
 import logging
 import time
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..http_guard import Guard, Limits, error_body
 from . import errors, formats
 from .errors import APIError, Scrubber
 from .formats import ChatBody, CompletionBody
-from .worker import Decoder, Job, Preparer
+from .batcher import Batcher, Job
+from .worker import Preparer
 
 log = logging.getLogger(__name__)
 
 
 def create_app(model, name: str, *, schedule: str = "packed", width: dict | None = None,
-               limits: Limits | None = None) -> Guard:
+               limits: Limits | None = None, max_model_len: int | None = None,
+               slots: int = 8, steps: int = 4, max_queue: int = 256) -> Guard:
     """The ASGI app serving `model` under the model id `name`: the FastAPI app (its
-    `.app`) inside the connection and body limits of `limits`."""
+    `.app`) inside the connection and body limits of `limits`. Requests are decoded
+    `slots` at a time (batcher.py), `steps` loop iterations per launch, each fitting
+    `max_model_len` tokens (default: the model's context, at most DEFAULT_MAX_MODEL_LEN);
+    past `max_queue` requests waiting for a slot, a new one gets 503. Every program is
+    compiled here, before the app is returned."""
     limits = limits or Limits()
-    service = Service(model, name, dict(schedule=schedule, **(width or {})), limits)
+    if max_model_len is None:
+        max_model_len = min(model.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    defaults = dict(schedule=schedule, **(width or {}), cache_size=max_model_len)
+    service = Service(model, name, defaults, limits, slots, steps, max_queue)
     docs = dict(docs_url="/docs", redoc_url=None, openapi_url="/openapi.json") if limits.docs \
         else dict(docs_url=None, redoc_url=None, openapi_url=None)
     app = FastAPI(title="packed-ss", lifespan=service.lifespan,
                   exception_handlers=service.error_handlers(), **docs)
+    if limits.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(limits.allowed_origins),
+                           allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
     app.state.decoder, app.state.preparer = service.decoder, service.preparer
     app.add_api_route("/health", service.health, methods=["GET"])
+    app.add_api_route("/metrics", service.metrics, methods=["GET"])
     app.add_api_route("/v1/models", service.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", service.model, methods=["GET"])
     app.add_api_route("/v1/completions", service.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", service.chat_completions, methods=["POST"])
     return Guard(app, limits, service.decoder.expired)
+
+
+DEFAULT_MAX_MODEL_LEN = 4096
+RETRY_AFTER_S = 1   # what a 503 for a full queue tells the client to wait
 
 
 class Service:
@@ -45,9 +65,11 @@ class Service:
     event loop (its body, its model), prepared off it (`Preparer`: a checked request),
     decoded by the `Decoder` thread, and answered whole or as server-sent events."""
 
-    def __init__(self, model, name: str, defaults: dict, limits: Limits):
-        self.name, self.created = name, int(time.time())
-        self.decoder = Decoder(model)
+    def __init__(self, model, name: str, defaults: dict, limits: Limits, slots: int,
+                 steps: int, max_queue: int):
+        self.name, self.created, self.max_queue = name, int(time.time()), max_queue
+        self.decoder = Batcher(model, defaults, slots, steps)
+        self.decoder.warm()
         self.preparer = Preparer(model, defaults, limits, self.decoder.expired)
         self.scrub = Scrubber(model, name)
 
@@ -69,7 +91,7 @@ class Service:
         return error_body(self.scrub(e.message), e.type, e.param, e.code)
 
     def reply(self, e: APIError) -> JSONResponse:
-        return JSONResponse(self.error_json(e), status_code=e.status)
+        return JSONResponse(self.error_json(e), status_code=e.status, headers=e.headers)
 
     async def _api_error(self, request, e: APIError):
         return self.reply(e)
@@ -91,23 +113,45 @@ class Service:
     async def health(self):
         d = self.decoder
         return {"status": "draining" if d.draining else "ok", "model": self.name,
-                "queued": d.jobs.qsize(), "busy": d.busy, "cancelled": d.cancelled}
+                "queued": d.queued, "busy": d.busy_slots > 0, "slots_busy": d.busy_slots,
+                "slots": d.slots, "cancelled": d.cancelled}
+
+    async def metrics(self):
+        m = self.decoder.metrics
+        return Response(m.render(), media_type=m.content_type)
+
+    def _card(self) -> dict:
+        return {"id": self.name, "object": "model", "created": self.created,
+                "owned_by": "packed-ss", "max_model_len": self.decoder.capacity}
 
     async def models(self):
-        return {"object": "list", "data": [{"id": self.name, "object": "model",
-                                            "created": self.created, "owned_by": "packed-ss"}]}
+        return {"object": "list", "data": [self._card()]}
 
-    async def completions(self, body: CompletionBody):
+    async def model(self, model_id: str):
+        if model_id != self.name:
+            raise APIError(404, f"the model {model_id!r} does not exist; this server serves "
+                                f"{self.name!r}", param="model", code="model_not_found")
+        return self._card()
+
+    async def completions(self, body: CompletionBody, http: Request):
         self._check_model(body)
         options, max_tokens_field = formats.completion_options(body)
-        return await self._answer(formats.Completion(self.name), options, max_tokens_field,
-                                  body.stream)
+        return await self._answer(formats.Completion(self.name, _usage_asked(body)), options,
+                                  max_tokens_field, body.stream, http)
 
-    async def chat_completions(self, body: ChatBody):
+    async def chat_completions(self, body: ChatBody, http: Request):
         self._check_model(body)
         options, max_tokens_field = formats.chat_options(body)
-        return await self._answer(formats.Chat(self.name), options, max_tokens_field,
-                                  body.stream)
+        return await self._answer(formats.Chat(self.name, _usage_asked(body)), options,
+                                  max_tokens_field, body.stream, http)
+
+    def _check_queue(self) -> None:
+        """Past --max-queue requests waiting for a slot, a 503 telling the client when to
+        try again."""
+        if self.decoder.queued >= self.max_queue:
+            raise APIError(503, f"the server is busy: {self.decoder.queued} requests are "
+                                "waiting for a slot; try again shortly", "server_error",
+                           code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
 
     def _check_model(self, body: formats.Body) -> None:
         if self.decoder.draining:
@@ -118,35 +162,50 @@ class Service:
 
     # --- answering ------------------------------------------------------------------------------
 
-    async def _answer(self, form, options: dict, max_tokens_field: str, streaming: bool):
-        request = await self.preparer(options, max_tokens_field)
-        job = Job(request, asyncio.get_running_loop())
+    async def _answer(self, form, options: dict, max_tokens_field: str, streaming: bool,
+                      http: Request):
+        self._check_queue()
+        choices = await self.preparer(options, max_tokens_field)
+        job = Job(choices, asyncio.get_running_loop())
         self.decoder.submit(job)
-        if streaming:
+        if streaming:  # a client leaving ends the response's iteration (`_events`)
             return StreamingResponse(self._events(job, form), media_type="text/event-stream")
-        return await self._whole(job, form)
+        watch = asyncio.create_task(_watch_disconnect(http, job))
+        try:
+            return await self._whole(job, form)
+        finally:
+            watch.cancel()
 
     async def _whole(self, job: Job, form) -> dict:
+        results = [None] * len(job.choices)
         try:
-            result = None
             while (item := await job.out.get()) is not None:
                 if isinstance(item, Exception):
                     raise errors.failure(item)
-                result = item.result or result
+                index, chunk = item
+                results[index] = chunk.result or results[index]
         finally:
             self._end(job)
-        return form.response(result, job.prompt_len)
+        if job.cancelled.is_set() and None in results:  # the client left: no one to answer
+            raise APIError(499, "the client closed the connection", code="client_closed")
+        return form.response(results, job.prompt_len)
 
     async def _events(self, job: Job, form):
-        pieces = formats.Pieces()
+        pieces = [formats.Pieces() for _ in job.choices]
+        results = [None] * len(job.choices)
         try:
-            for event in form.opening():
+            for event in form.opening(len(job.choices)):
                 yield formats.sse(event)
             while (item := await job.out.get()) is not None:
                 if isinstance(item, Exception):
                     yield formats.sse(self.error_json(errors.failure(item)))
                     break
-                yield formats.sse(form.event(pieces(item), item.result, job.prompt_len))
+                index, chunk = item
+                results[index] = chunk.result or results[index]
+                yield formats.sse(form.event(index, pieces[index](chunk), chunk.result))
+            else:
+                for event in form.closing(results, job.prompt_len):
+                    yield formats.sse(event)
             yield formats.DONE
         finally:  # the client went away, or we are done: stop decoding for it
             self._end(job)
@@ -154,3 +213,16 @@ class Service:
     def _end(self, job: Job) -> None:
         job.cancelled.set()
         self.decoder.ended(job)
+
+
+def _usage_asked(body: formats.Body) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
+async def _watch_disconnect(http: Request, job: Job) -> None:
+    """Cancels a non-streaming request whose client goes away (its body is read, so the
+    next message is the disconnect): the decoder frees its slots at its next launch."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+    job.cancelled.set()
+    job.out.put_nowait(None)   # ends the wait for results

@@ -15,10 +15,12 @@ from ..validate import InputError
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
             status, message, type_, param, code)
+        self.headers = headers or {}
 
 
 def draining() -> APIError:

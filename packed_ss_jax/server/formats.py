@@ -6,9 +6,10 @@ response and of a stream's events (OpenAI's fields, `usage` included, and under
 from __future__ import annotations
 
 import json
+import secrets
 import time
 import uuid
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat,
                       StrictInt, StrictStr)
@@ -17,8 +18,9 @@ from .. import validate
 from ..validate import InputError
 from .errors import APIError
 
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions (chat's: what fits)
 MAX_STOPS = 4            # OpenAI accepts up to 4 stop sequences
+MAX_N = 16               # choices per request (each holds a slot)
 INT32_MAX = 2**31 - 1
 
 
@@ -33,12 +35,31 @@ Text = Annotated[StrictStr, AfterValidator(_unicode)]
 Number = Union[StrictInt, StrictFloat]
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: StrictBool = False
+
+
+# OpenAI fields this server does not act on, with the values that ask for nothing (a
+# client may send those): any other value is a 400 naming the field, never ignored.
+UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None,), "echo": (None, False),
+               "suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None, {}),
+               "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+               "repetition_penalty": (None, 1), "tools": (None, []), "functions": (None, []),
+               "tool_choice": (None, "none"), "function_call": (None, "none"),
+               "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}),
+               "reasoning_effort": (None,), "modalities": (None, ["text"]),
+               "prediction": (None,), "audio": (None,), "top_k": (None, -1, 0)}
+# Fields that describe the request and change nothing in its output: accepted.
+DESCRIPTIVE = ("user", "metadata", "store", "service_tier")
+
+
 class Body(BaseModel):
     """The fields both endpoints take."""
 
-    # Fields other clients send that this server does not use are ignored; the fields it
-    # uses are strictly typed (a string where a number belongs is a 400, not a guess).
-    model_config = ConfigDict(extra="ignore")
+    # The fields used are strictly typed (a string where a number belongs is a 400, not a
+    # guess); any other field is checked by `refuse_unused`.
+    model_config = ConfigDict(extra="allow")
 
     model: Text
     max_tokens: Optional[StrictInt] = Field(default=None, ge=1, le=INT32_MAX)
@@ -47,17 +68,26 @@ class Body(BaseModel):
     seed: Optional[StrictInt] = Field(default=None, ge=0, lt=2**32)
     stop: Union[Text, list[Text], None] = None
     stream: StrictBool = False
-    n: StrictInt = Field(default=1, ge=1, le=1)
+    stream_options: Optional[StreamOptions] = None
+    n: StrictInt = Field(default=1, ge=1, le=MAX_N)
 
 
 class CompletionBody(Body):
     prompt: Union[Text, list[StrictInt]]
 
 
+class TextPart(BaseModel):
+    """One part of a message's content given as a list (text parts only)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: Text
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Text
-    content: Optional[Text] = None
+    content: Union[Text, list[TextPart], None] = None
 
 
 class ChatBody(Body):
@@ -68,17 +98,43 @@ class ChatBody(Body):
 
 # --- what a body asks for -----------------------------------------------------------------------
 
+def refuse_unused(body: Body) -> None:
+    """A field this server would not act on is a 400 that names it (OpenAI fields it does
+    not implement, unless sent with the value that asks for nothing; unknown fields),
+    never silently ignored; DESCRIPTIVE fields are accepted."""
+    for name, value in (body.model_extra or {}).items():
+        if name in DESCRIPTIVE:
+            continue
+        if name in UNSUPPORTED:
+            if any(_same(value, v) for v in UNSUPPORTED[name]):
+                continue
+            raise APIError(400, f"{name} is not supported by this server", param=name,
+                           code="unsupported_parameter")
+        raise APIError(400, f"unknown field {name!r}", param=name, code="unknown_parameter")
+
+
+def _same(value, neutral) -> bool:
+    """JSON equality: 0 and 0.0 alike, but not false and 0."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    return value == neutral
+
+
 def completion_options(body: CompletionBody) -> tuple[dict, str]:
     """(the decode's options with the prompt, the field that sets max_new_tokens)."""
-    return {**_options(body, body.max_tokens), "prompt": body.prompt}, "max_tokens"
+    refuse_unused(body)
+    max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    return {**_options(body, max_tokens), "prompt": body.prompt}, "max_tokens"
 
 
 def chat_options(body: ChatBody) -> tuple[dict, str]:
     """(the decode's options with the messages and template keywords, the field that sets
-    max_new_tokens)."""
+    max_new_tokens; without one, max_new_tokens is None: what fits, set once the prompt is
+    tokenized)."""
+    refuse_unused(body)
     field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     options = _options(body, body.max_completion_tokens or body.max_tokens)
-    options["messages"] = [m.model_dump(exclude_none=True) for m in body.messages]
+    options["messages"] = [_joined(m.model_dump(exclude_none=True)) for m in body.messages]
     for i, m in enumerate(options["messages"]):
         _check_json_strings(m, f"messages[{i}]", "messages")
     if body.chat_template_kwargs:
@@ -88,6 +144,13 @@ def chat_options(body: ChatBody) -> tuple[dict, str]:
     return options, field
 
 
+def _joined(message: dict) -> dict:
+    """A message whose content is a list of text parts, with the parts' text joined."""
+    if isinstance(message.get("content"), list):
+        message["content"] = "".join(part["text"] for part in message["content"])
+    return message
+
+
 def _options(body: Body, max_tokens: int | None) -> dict:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOPS:
@@ -95,9 +158,11 @@ def _options(body: Body, max_tokens: int | None) -> dict:
     if any(not s for s in stop):
         raise APIError(400, "stop sequences must not be empty", param="stop")
     temperature = 1.0 if body.temperature is None else float(body.temperature)
-    return dict(max_new_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
-                temperature=temperature, top_p=None if body.top_p is None else float(body.top_p),
-                seed=0 if body.seed is None else body.seed, stop_sequences=stop)
+    # Without a seed, a fresh one: the same request sampled twice gives two samples.
+    seed = secrets.randbelow(2**32) if body.seed is None else body.seed
+    return dict(max_new_tokens=max_tokens, temperature=temperature,
+                top_p=None if body.top_p is None else float(body.top_p), seed=seed,
+                stop_sequences=stop, n=body.n)
 
 
 def _check_json_strings(value, where: str, param: str) -> None:
@@ -123,52 +188,67 @@ def _check_strings(value, where: str) -> None:
 
 # --- responses and stream events ----------------------------------------------------------------
 
-class Completion:
-    """The /v1/completions replies of one request."""
+class _Form:
+    """The replies of one request: a whole response of every choice's result, or a
+    stream's events (each choice's pieces, its last event with its finish reason and
+    statistics; with `stream_options.include_usage`, a last event with the usage)."""
 
-    def __init__(self, name: str):
+    prefix, chunk_object, whole_object = "", "", ""
+
+    def __init__(self, name: str, include_usage: bool = False):
         cid, now = _ids()
-        self.head = dict(id=f"cmpl-{cid}", object="text_completion", created=now, model=name)
+        self.head = dict(id=f"{self.prefix}-{cid}", object=self.chunk_object, created=now,
+                         model=name)
+        self.include_usage = include_usage
 
-    def opening(self) -> list[dict]:
+    def opening(self, n: int) -> list[dict]:
         return []
 
-    def event(self, piece: str, result, prompt_len: int) -> dict:
-        choice = {"index": 0, "text": piece, "logprobs": None,
+    def event(self, index: int, piece: str, result) -> dict:
+        choice = {"index": index, **self._piece(piece),
                   "finish_reason": result.finish_reason if result else None}
-        return {**self.head, "choices": [choice], **_extras(result, prompt_len)}
+        return {**self.head, "choices": [choice], **_stats(result)}
 
-    def response(self, result, prompt_len: int) -> dict:
-        return {**self.head, "choices": [{"index": 0, "text": visible(result), "logprobs": None,
-                                          "finish_reason": result.finish_reason}],
-                **_extras(result, prompt_len)}
+    def closing(self, results: list, prompt_len: int) -> list[dict]:
+        if not self.include_usage:
+            return []
+        return [{**self.head, "choices": [], "usage": _usage(results, prompt_len)}]
+
+    def response(self, results: list, prompt_len: int) -> dict:
+        choices = [{"index": i, **self._whole(r), "finish_reason": r.finish_reason}
+                   for i, r in enumerate(results)]
+        return {**self.head, "object": self.whole_object, "choices": choices,
+                "usage": _usage(results, prompt_len), **_stats(results[0])}
 
 
-class Chat:
+class Completion(_Form):
+    """The /v1/completions replies of one request."""
+
+    prefix, chunk_object, whole_object = "cmpl", "text_completion", "text_completion"
+
+    def _piece(self, piece: str) -> dict:
+        return {"text": piece, "logprobs": None}
+
+    def _whole(self, result) -> dict:
+        return {"text": visible(result), "logprobs": None}
+
+
+class Chat(_Form):
     """The /v1/chat/completions replies of one request."""
 
-    def __init__(self, name: str):
-        cid, now = _ids()
-        self.head = dict(id=f"chatcmpl-{cid}", object="chat.completion.chunk", created=now,
-                         model=name)
+    prefix, chunk_object, whole_object = "chatcmpl", "chat.completion.chunk", "chat.completion"
 
-    def opening(self) -> list[dict]:
-        """The stream's first event names the role."""
-        return [{**self.head, "choices": [{"index": 0, "delta": {"role": "assistant",
+    def opening(self, n: int) -> list[dict]:
+        """The stream's first event of each choice names the role."""
+        return [{**self.head, "choices": [{"index": i, "delta": {"role": "assistant",
                                                                  "content": ""},
-                                           "finish_reason": None}]}]
+                                           "finish_reason": None}]} for i in range(n)]
 
-    def event(self, piece: str, result, prompt_len: int) -> dict:
-        choice = {"index": 0, "delta": {"content": piece} if piece else {},
-                  "finish_reason": result.finish_reason if result else None}
-        return {**self.head, "choices": [choice], **_extras(result, prompt_len)}
+    def _piece(self, piece: str) -> dict:
+        return {"delta": {"content": piece} if piece else {}}
 
-    def response(self, result, prompt_len: int) -> dict:
-        message = {"role": "assistant", "content": visible(result)}
-        return {**self.head, "object": "chat.completion",
-                "choices": [{"index": 0, "message": message,
-                             "finish_reason": result.finish_reason}],
-                **_extras(result, prompt_len)}
+    def _whole(self, result) -> dict:
+        return {"message": {"role": "assistant", "content": visible(result)}}
 
 
 def visible(result) -> str:
@@ -193,13 +273,17 @@ class Pieces:
         return piece
 
 
-def _extras(result, prompt_len: int) -> dict:
+def _usage(results: list, prompt_len: int) -> dict:
+    n = sum(len(r.tokens) for r in results)
+    return {"prompt_tokens": prompt_len, "completion_tokens": n,
+            "total_tokens": prompt_len + n}
+
+
+def _stats(result) -> dict:
+    """The speculative statistics of a finished choice, under `packed_ss`."""
     if result is None:
         return {}
-    n = len(result.tokens)
-    return {"usage": {"prompt_tokens": prompt_len, "completion_tokens": n,
-                      "total_tokens": prompt_len + n},
-            "packed_ss": {"nfe": result.nfe, "tokens_per_nfe": result.tokens_per_nfe,
+    return {"packed_ss": {"nfe": result.nfe, "tokens_per_nfe": result.tokens_per_nfe,
                           "iterations": result.iterations, "schedule": result.schedule,
                           "token_ids": result.tokens}}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import logging
 import signal
 import socket
 import threading
@@ -13,8 +14,8 @@ from pathlib import Path
 
 import uvicorn
 
-from ..http_guard import Limits, protocol
-from .worker import Decoder
+from ..http_guard import Limits, access, protocol
+from .batcher import Batcher
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -57,15 +58,26 @@ def serve(app, sock: socket.socket, limits: Limits) -> bool:
                             # after our own drain has ended every request
                             timeout_graceful_shutdown=int(limits.drain_timeout_s) + 3)
     state = app.app.state
+    _log_access()
     _Draining(config, state.decoder, limits).run(sockets=[sock])
     return not state.decoder.thread.is_alive() and not state.preparer.busy
+
+
+def _log_access() -> None:
+    """The access log (http_guard.access) on stderr, a line per request."""
+    if not access.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        access.addHandler(handler)
+        access.setLevel(logging.INFO)
+        access.propagate = False
 
 
 class _Draining(uvicorn.Server):
     """uvicorn's server whose first exit signal starts the decoder's drain: new requests
     get 503 at once, the ones in flight are ended with 503 at the drain deadline."""
 
-    def __init__(self, config, decoder: Decoder, limits: Limits):
+    def __init__(self, config, decoder: Batcher, limits: Limits):
         super().__init__(config)
         self.decoder, self.limits = decoder, limits
 

@@ -1,14 +1,13 @@
-"""The server's work off the event loop: the `Preparer` turns a request's options into a
-checked `Request` on a small thread pool (the chat template rendered, the prompt
-tokenized, every argument checked: once, and no JAX work), and the `Decoder`, the one
-thread that makes JAX calls, runs those requests in order and hands their chunks back to
-the event loop."""
+"""The server's preparing of requests off the event loop: the `Preparer` turns a
+request's options into checked `Request`s (one per choice) on a small thread pool (the
+chat template rendered, the prompt tokenized, every argument checked: once, and no JAX
+work); the decoder thread (batcher.py) runs them."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import queue
+import dataclasses
 import threading
 
 from .. import api, chat, stops, validate
@@ -18,99 +17,6 @@ from ..validate import InputError
 from .errors import APIError, draining
 
 PREPARE_THREADS = 2      # requests rendered and tokenized at once, off the event loop
-
-
-# --- the decoder thread -------------------------------------------------------------------------
-
-
-class Job:
-    """One checked request on its way through the decoder thread; chunks come back through
-    an asyncio queue on the event loop (None ends it, an exception is re-raised there)."""
-
-    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop):
-        self.request, self.loop = request, loop
-        self.out: asyncio.Queue = asyncio.Queue()
-        self.cancelled = threading.Event()
-        self.finished = False   # the decoder's last item is in `out`
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.request.prompt)
-
-    def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.out.put_nowait, item)
-
-    def abort(self, error: Exception) -> None:
-        """Ends the request now with `error` (on the event loop's thread); the decoder
-        drops it after its launch in flight."""
-        if not self.finished and not self.cancelled.is_set():
-            self.cancelled.set()
-            self.out.put_nowait(error)
-            self.out.put_nowait(None)
-
-
-class Decoder:
-    """The one thread that makes JAX calls: takes jobs in order, streams their chunks."""
-
-    def __init__(self, model):
-        self.model = model
-        self.jobs: queue.Queue = queue.Queue()
-        self.live: set[Job] = set()   # submitted and not yet ended
-        self.thread = threading.Thread(target=self._work, name="packed-ss-decoder", daemon=True)
-        self.busy = False
-        self.draining = False
-        self.expired = asyncio.Event()   # set at the drain's deadline (on the event loop)
-        self.cancelled = 0   # requests whose client left before the decode finished
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self, timeout: float) -> None:
-        """Ends the thread; a compile in progress cannot be interrupted, so this waits for
-        at most `timeout` (the thread is a daemon: the process exits without it)."""
-        self.jobs.put(None)
-        self.thread.join(timeout=timeout)
-
-    def submit(self, job: Job) -> None:
-        if self.draining:
-            raise draining()
-        self.live.add(job)
-        self.jobs.put(job)
-
-    def ended(self, job: Job) -> None:
-        self.live.discard(job)
-
-    def abort_all(self) -> None:
-        """The drain's deadline: every request still waiting ends with a 503."""
-        self.expired.set()
-        for job in list(self.live):
-            job.abort(draining())
-
-    def stream(self, request: Request):
-        """The server's one call into the engine: the chunks of a checked request."""
-        return api.stream_request(self.model, request)
-
-    def _work(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            if job.cancelled.is_set():
-                self.cancelled += 1
-                continue
-            self.busy = True
-            try:
-                self._decode(job)
-            except Exception as e:  # reported to that request; the server goes on
-                job.put(e)
-            finally:
-                job.finished = True
-                job.put(None)
-                self.busy = False
-
-    def _decode(self, job: Job) -> None:
-        for chunk in self.stream(job.request):
-            if job.cancelled.is_set():
-                self.cancelled += 1
-                return  # the client is gone: free the decoder for the next request
-            job.put(chunk)
 
 
 # --- preparing requests -------------------------------------------------------------------------
@@ -130,13 +36,15 @@ def _param(message: str, prompt_field: str, max_tokens_field: str) -> str:
 
 
 class Preparer:
-    """Turns a request's options into the decoder's checked request, off the event loop:
-    the chat template rendered and the prompt tokenized once, the context and every other
-    argument checked (`api.check`, no JAX work)."""
+    """Turns a request's options into the decoder's checked requests, off the event loop:
+    the chat template rendered and the prompt tokenized once, the length and every other
+    argument checked (`api.check`, no JAX work). `defaults` holds the server's decode
+    options (schedule, width, and `cache_size`: the --max-model-len every request must
+    fit)."""
 
     def __init__(self, model, defaults: dict, limits: Limits, expired: asyncio.Event):
         self.model, self.defaults, self.limits, self.expired = model, defaults, limits, expired
-        self.context = model.config.max_position_embeddings
+        self.context = defaults["cache_size"]
         # No token covers more characters than its vocabulary entry spells, so a text
         # longer than this cannot fit the context: refused before the tokenizer sees it.
         longest = _longest_token(model.tokenizer)
@@ -146,7 +54,7 @@ class Preparer:
                                                           thread_name_prefix="packed-ss-prepare")
         self._lock, self._active = threading.Lock(), 0
 
-    async def __call__(self, options: dict, max_tokens_field: str) -> Request:
+    async def __call__(self, options: dict, max_tokens_field: str) -> list[Request]:
         loop = asyncio.get_running_loop()
         work = loop.run_in_executor(self.pool, self._prepare, options, max_tokens_field)
         try:
@@ -166,7 +74,7 @@ class Preparer:
         """Takes no more requests; those waiting for a thread are dropped."""
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def _prepare(self, options: dict, max_tokens_field: str) -> Request:
+    def _prepare(self, options: dict, max_tokens_field: str) -> list[Request]:
         with self._lock:
             self._active += 1
         try:
@@ -175,8 +83,11 @@ class Preparer:
             with self._lock:
                 self._active -= 1
 
-    def _checked(self, options: dict, max_tokens_field: str) -> Request:
+    def _checked(self, options: dict, max_tokens_field: str) -> list[Request]:
+        """The request of each of the `n` choices: one check, then choice i with the
+        request's seed + i (mod 2**32)."""
         field = "messages" if "messages" in options else "prompt"
+        n = options.pop("n")
         try:
             ids = self._prompt_ids(options, field)
             for stop in options["stop_sequences"]:
@@ -184,13 +95,17 @@ class Preparer:
                     raise APIError(400, f"a stop string of {len(stop)} characters is longer "
                                         f"than the {stops.MAX_STOP_LEN} tokens a stop may "
                                         "have", param="stop")
+            if options["max_new_tokens"] is None:  # what fits (chat's default)
+                options["max_new_tokens"] = max(self.context - len(ids), 1)
             self._fits(len(ids), options["max_new_tokens"], field, max_tokens_field)
-            return api.check(self.model, ids, **self.defaults, **options)
+            first = api.check(self.model, ids, **self.defaults, **options)
         except chat.TemplateError as e:  # the template's own words may name any field
             param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
             raise APIError(400, str(e), param=param) from None
         except InputError as e:
             raise APIError(400, str(e), param=_param(str(e), field, max_tokens_field)) from None
+        return [first] + [dataclasses.replace(first, seed=(first.seed + i) % validate.SEED_LIMIT)
+                          for i in range(1, n)]
 
     def _prompt_ids(self, options: dict, field: str) -> list[int]:
         """The prompt's token ids (taking the prompt, or the messages and template keywords,
@@ -203,20 +118,22 @@ class Preparer:
             prompt = options.pop("prompt")
             if isinstance(prompt, str) and len(prompt) > self.max_chars:
                 raise APIError(400, f"the prompt has {len(prompt)} characters: more than this "
-                                    f"model's context of {self.context} tokens can hold",
+                                    f"server's limit of {self.context} tokens (--max-model-len) can hold",
                                param="prompt", code="context_length_exceeded")
             ids = validate.prompt_ids(self.model, prompt)
         return [int(i) for i in ids]
 
     def _fits(self, prompt_len: int, max_tokens: int, field: str, max_tokens_field: str):
+        """The request fits the server's cache (--max-model-len)."""
         if max_tokens >= self.context:
-            raise APIError(400, f"{max_tokens_field} {max_tokens} is larger than this model's "
-                                f"context of {self.context} tokens", param=max_tokens_field)
+            raise APIError(400, f"{max_tokens_field} {max_tokens} is larger than this server's "
+                                f"limit of {self.context} tokens (--max-model-len)",
+                           param=max_tokens_field)
         if prompt_len + max_tokens > self.context:
-            raise APIError(400, f"this model's context is {self.context} tokens; the {field} "
-                                f"({prompt_len} tokens) + {max_tokens_field} ({max_tokens}) "
-                                f"= {prompt_len + max_tokens}: shorten the {field} or lower "
-                                f"{max_tokens_field}", param=field,
+            raise APIError(400, f"this server's limit is {self.context} tokens (--max-model-len);"
+                                f" the {field} ({prompt_len} tokens) + {max_tokens_field} "
+                                f"({max_tokens}) = {prompt_len + max_tokens}: shorten the "
+                                f"{field} or lower {max_tokens_field}", param=field,
                            code="context_length_exceeded")
 
 

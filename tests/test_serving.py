@@ -1,0 +1,277 @@
+"""The server's continuous batching (server/batcher.py), through the official `openai`
+client against an app served in this process: requests joining and leaving while others
+run each get the tokens `decode` gives them alone (greedy, sampled and top-p, streamed
+and not); nothing compiles after startup, whatever the requests ask for; `n` choices are
+the decodes of consecutive seeds; a request without a seed gets a fresh one; chat's
+default length is what fits; `stream_options.include_usage` ends a stream with the
+usage; a request past --max-model-len is refused with the limit; a field the server
+would not act on is refused; past --max-queue a 503; a client that leaves frees its
+slot; /metrics parses; the API key is needed, and a CORS preflight passes without it."""
+
+import concurrent.futures
+import http.client
+import json
+import time
+
+import jax
+import pytest
+
+import packed_ss_jax as ps
+from packed_ss_jax.http_guard import Limits
+from packed_ss_jax.server import create_app
+from servers import events, in_process, request as plain_request
+
+openai = pytest.importorskip("openai")
+
+MODEL = ps.load()
+MAX_MODEL_LEN = 96
+SLOTS = 3   # fewer than the requests sent at once: some wait for a slot to free
+KEY, ORIGIN = "secret", "http://localhost:3000"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def request(base, method, path, body=None, headers=None):
+    return plain_request(base, method, path, body, {**AUTH, **(headers or {})})
+
+
+def _question(i: int) -> str:
+    return f"Question: Ava has {i} apples. She gets {i + 3} more apples. How many?\nAnswer:"
+
+
+# (sampling, max_tokens) per request: the three kinds of sampling, lengths that make
+# requests end at different launches, so that others join mid-flight.
+def _asked(i: int) -> dict:
+    kind = [dict(temperature=0), dict(temperature=1.0, seed=100 + i),
+            dict(temperature=0.7, top_p=0.8, seed=200 + i)][i % 3]
+    return dict(kind, max_tokens=6 + 5 * (i % 4))
+
+
+@pytest.fixture(scope="module")
+def base():
+    app = create_app(MODEL, "nld-tiny", max_model_len=MAX_MODEL_LEN, slots=SLOTS, steps=2,
+                     limits=Limits(api_key=KEY, allowed_origins=(ORIGIN,)))
+    with in_process(app) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base):
+    return openai.OpenAI(base_url=base + "/v1", api_key=KEY, timeout=120)
+
+
+def _alone(prompt, asked: dict, seed=None) -> ps.DecodeResult:
+    kw = {k: v for k, v in asked.items() if k not in ("max_tokens", "seed")}
+    seed = asked.get("seed", 0) if seed is None else seed
+    return ps.decode(MODEL, prompt, max_new_tokens=asked["max_tokens"], seed=seed, **kw)
+
+
+def _ask(client, i: int, streamed: bool) -> list[int]:
+    asked = _asked(i)
+    if streamed:
+        got = list(client.completions.create(model="nld-tiny", prompt=_question(i),
+                                             stream=True, **asked))
+        return got[-1].model_extra["packed_ss"]["token_ids"], "".join(
+            e.choices[0].text for e in got)
+    r = client.completions.create(model="nld-tiny", prompt=_question(i), **asked)
+    return r.model_extra["packed_ss"]["token_ids"], r.choices[0].text
+
+
+class _Compiles:
+    """Counts XLA compiles (and persistent-cache reads) while it is on."""
+
+    def __init__(self):
+        self.on, self.events = False, []
+        jax.monitoring.register_event_duration_secs_listener(self._seen)
+
+    def _seen(self, name, secs, **kw):
+        if self.on and name in ("/jax/core/compile/backend_compile_duration",
+                                "/jax/compilation_cache/cache_retrieval_time_sec"):
+            self.events.append(name)
+
+
+COMPILES = _Compiles()
+
+
+def test_requests_joining_mid_flight_get_their_own_decode(client):
+    n = 4 * SLOTS
+    want = {i: _alone(_question(i), _asked(i)) for i in range(n)}  # compiled before the watch
+    COMPILES.on = True
+    try:
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            got = dict(zip(range(n), pool.map(lambda i: _ask(client, i, i % 2 == 1), range(n))))
+    finally:
+        COMPILES.on = False
+    for i in range(n):
+        assert got[i] == (want[i].tokens, want[i].text), (i, _asked(i))
+    # Requests of every kind and length, and nothing compiled while serving them.
+    assert COMPILES.events == []
+
+
+def test_nothing_compiles_whatever_a_request_asks(client, base):
+    COMPILES.on = True
+    try:
+        for i, (temperature, top_p) in enumerate([(0.3, None), (1.7, 0.35), (0.0, 0.9),
+                                                  (0.95, 1.0), (1e-3, 0.01)]):
+            client.completions.create(model="nld-tiny", prompt=_question(i), n=2,
+                                      temperature=temperature, top_p=top_p, seed=i,
+                                      max_tokens=1 + 7 * i, stop=["\n", str(i)])
+        client.chat.completions.create(model="nld-tiny", messages=[
+            {"role": "user", "content": "Maya has 12 apples. How many?"}], temperature=0.5)
+        longest = [1] * (MAX_MODEL_LEN - 4)  # the largest prompt bucket
+        code, body = request(base, "POST", "/v1/completions",
+                             {"model": "nld-tiny", "prompt": longest, "max_tokens": 4})
+        assert code == 200, body
+    finally:
+        COMPILES.on = False
+    assert COMPILES.events == []
+
+
+def test_n_choices_are_the_decodes_of_consecutive_seeds(client):
+    asked = dict(temperature=1.0, max_tokens=10, seed=7)
+    r = client.completions.create(model="nld-tiny", prompt=_question(3), n=3, **asked)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for c in r.choices:
+        assert c.text == _alone(_question(3), asked, seed=7 + c.index).text
+    assert r.usage.completion_tokens == sum(
+        len(_alone(_question(3), asked, seed=7 + i).tokens) for i in range(3))
+
+
+def test_without_a_seed_each_request_is_a_fresh_sample(client):
+    texts = {client.completions.create(model="nld-tiny", prompt="Question:", temperature=1.0,
+                                       max_tokens=12).choices[0].text for _ in range(3)}
+    assert len(texts) > 1
+
+
+def test_chat_answers_in_full_by_default(client):
+    messages = [{"role": "user", "content": "Maya shares 12 apples equally among 3 friends. "
+                                            "How many apples does each friend get?"}]
+    r = client.chat.completions.create(model="nld-tiny", messages=messages, temperature=0)
+    want = ps.decode(MODEL, messages=messages, max_new_tokens=MAX_MODEL_LEN - r.usage.prompt_tokens)
+    assert r.choices[0].message.content == want.text
+    assert r.choices[0].finish_reason == "stop"   # EOS, not a default length
+
+
+def test_usage_ends_a_stream_only_when_asked(base):
+    body = {"model": "nld-tiny", "prompt": _question(1), "max_tokens": 5, "temperature": 0,
+            "stream": True}
+    code, got = events(base, "/v1/completions", body, AUTH)
+    assert code == 200 and got[-1] == "[DONE]"
+    assert all("usage" not in e for e in got[:-1])
+    code, got = events(base, "/v1/completions",
+                       {**body, "stream_options": {"include_usage": True}}, AUTH)
+    assert code == 200 and got[-1] == "[DONE]"
+    last = got[-2]
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 5
+    assert all("usage" not in e for e in got[:-2])
+
+
+def test_the_model_card_and_the_length_limit(base):
+    code, card = request(base, "GET", "/v1/models/nld-tiny")
+    assert code == 200 and card["id"] == "nld-tiny" and card["max_model_len"] == MAX_MODEL_LEN
+    assert request(base, "GET", "/v1/models/other")[0] == 404
+    code, body = request(base, "POST", "/v1/completions",
+                         {"model": "nld-tiny", "prompt": _question(1), "max_tokens": 90})
+    assert code == 400 and str(MAX_MODEL_LEN) in body["error"]["message"]
+    assert "--max-model-len" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("logprobs", 2), ("echo", True), ("tools", [{"type": "function"}]), ("best_of", 3),
+    ("presence_penalty", 0.5), ("logit_bias", {"5": 10}), ("suffix", "x"),
+    ("response_format", {"type": "json_object"}), ("frequency", 1)])
+def test_a_field_the_server_would_not_act_on_is_a_400_naming_it(base, field, value):
+    body = {"model": "nld-tiny", "prompt": "Question:", "max_tokens": 2, field: value}
+    code, got = request(base, "POST", "/v1/completions", body)
+    assert code == 400 and got["error"]["param"] == field, got
+
+
+def test_neutral_values_and_text_parts_are_accepted(client):
+    r = client.chat.completions.create(
+        model="nld-tiny", max_tokens=6, temperature=0, presence_penalty=0, logprobs=False,
+        user="someone", messages=[{"role": "user", "content": [
+            {"type": "text", "text": "Maya has 12 apples. "}, {"type": "text", "text": "How many?"}]}])
+    want = ps.decode(MODEL, messages=[{"role": "user",
+                                       "content": "Maya has 12 apples. How many?"}],
+                     max_new_tokens=6)
+    assert r.choices[0].message.content == want.text
+
+
+def test_a_full_queue_gets_a_503_with_retry_after_and_a_client_leaving_frees_its_slot():
+    app = create_app(MODEL, "nld-tiny", max_model_len=MAX_MODEL_LEN, slots=1, steps=1,
+                     max_queue=1)
+    decoder = app.app.state.decoder
+    long = {"model": "nld-tiny", "prompt": [1, 5, 7], "max_tokens": 80, "temperature": 0}
+    with in_process(app) as url:
+        # One request decodes, one waits, the next is refused.
+        host, port = url.removeprefix("http://").split(":")
+        first = http.client.HTTPConnection(host, int(port), timeout=60)
+        first.request("POST", "/v1/completions", body=json.dumps(long).encode(),
+                      headers={"content-type": "application/json"})
+        _until(lambda: decoder.busy_slots == 1)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(plain_request, url, "POST", "/v1/completions",
+                                  {**long, "max_tokens": 2})
+            _until(lambda: decoder.queued == 1)
+            conn = http.client.HTTPConnection(host, int(port), timeout=60)
+            conn.request("POST", "/v1/completions", body=json.dumps(long).encode(),
+                         headers={"content-type": "application/json"})
+            refused = conn.getresponse()
+            assert refused.status == 503 and refused.getheader("Retry-After") == "1"
+            assert json.loads(refused.read())["error"]["code"] == "queue_full"
+            conn.close()
+            # The first client leaves without reading its answer: its slot is freed and
+            # the waiting request is served.
+            first.close()
+            assert waiting.result(timeout=60)[0] == 200
+        assert decoder.cancelled == 1
+
+
+def _until(condition, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_metrics_parse_and_count_what_was_served(base, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def read() -> dict:
+        code, text = request(base, "GET", "/metrics")
+        assert code == 200
+        return {s.name: s.value for f in text_string_to_metric_families(text)
+                for s in f.samples if not s.labels or s.labels.get("outcome") == "length"}
+
+    before = read()
+    r = client.completions.create(model="nld-tiny", prompt=[1, 5, 7], max_tokens=9,
+                                  temperature=0)
+    after = read()
+    assert after["packed_ss_generated_tokens_total"] - before["packed_ss_generated_tokens_total"] == 9
+    nfe = r.model_extra["packed_ss"]["nfe"]
+    assert after["packed_ss_forward_calls_total"] - before["packed_ss_forward_calls_total"] == nfe
+    assert after["packed_ss_requests_total"] - before.get("packed_ss_requests_total", 0) == 1
+    assert after["packed_ss_time_to_first_token_seconds_count"] > before.get(
+        "packed_ss_time_to_first_token_seconds_count", 0)
+    assert after["packed_ss_slots"] == 3 * SLOTS
+    assert after["packed_ss_queue_length"] == 0 and after["packed_ss_slots_busy"] == 0
+
+
+def test_the_key_is_needed_but_a_cors_preflight_passes(base):
+    assert plain_request(base, "GET", "/v1/models")[0] == 401
+    assert plain_request(base, "GET", "/metrics")[0] == 401
+    assert plain_request(base, "GET", "/health")[0] == 200
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request("OPTIONS", "/v1/chat/completions", headers={
+            "Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        r = conn.getresponse()
+        r.read()
+        assert r.status == 200
+        assert r.getheader("access-control-allow-origin") == ORIGIN
+        assert "POST" in r.getheader("access-control-allow-methods")
+    finally:
+        conn.close()
+    code, body = request(base, "GET", "/v1/models", headers={"Origin": ORIGIN})
+    assert code == 200
