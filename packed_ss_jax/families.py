@@ -15,9 +15,11 @@ from typing import Any, Callable
 from . import config as config_lib
 from .nemotron import checkpoint as nemotron_checkpoint
 from .nemotron import config as nemotron_config
+from .nemotron import layouts as nemotron_layouts
 from .nemotron import program as nemotron_program
 from .setdlm import checkpoint as setdlm_checkpoint
 from .setdlm import config as setdlm_config
+from .setdlm import layouts as setdlm_layouts
 from .setdlm import program as setdlm_program
 from .setdlm import schedules as setdlm_schedules
 
@@ -46,6 +48,10 @@ class Family:
     # (model, program) -> Loop (loop.py): run(params, prompt, n, limits, key) -> outcome,
     # and the same decode in chunks: start, resume, outcome, progress.
     build: Callable[[Any, Any], Any]
+    # (tokens [T], config) -> (Call, rows [T]): one verifier forward over a whole sequence
+    # whose row rows[i] gives the left-to-right distribution of token i (i >= 1), to score
+    # it (log-probabilities, the same under every schedule).
+    score: Callable[[Any, Any], Any]
 
     def width(self, schedule: str, requested: int) -> int:
         """The program's width: the request's, or 1 for the one-token reference."""
@@ -63,7 +69,7 @@ NEMOTRON = Family(
     width_name="block_size", width_symbol="B", min_width=2, width_counts_x=True,
     parse_config=nemotron_config.from_hf, read_weights=nemotron_checkpoint.read,
     adapter_dir=nemotron_checkpoint.LORA_DIR, read_adapter=nemotron_checkpoint.lora_config,
-    build=nemotron_program.build)
+    build=nemotron_program.build, score=lambda tokens, c: nemotron_layouts.score(tokens))
 
 SETDLM = Family(
     name="setdlm", title="SetDLM", model_type=setdlm_config.MODEL_TYPE,
@@ -73,7 +79,8 @@ SETDLM = Family(
     orderless=("serial", "native"), width_name="window", width_symbol="W", min_width=1, width_counts_x=False,
     parse_config=setdlm_config.from_hf,
     read_weights=setdlm_checkpoint.read, adapter_dir=None, read_adapter=None,
-    build=setdlm_program.build)
+    build=setdlm_program.build,
+    score=lambda tokens, c: setdlm_layouts.score(tokens, c.mask_token_id))
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (NEMOTRON, SETDLM)}
 

@@ -131,6 +131,8 @@ SLOW: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "test_compile_cache.py::test_second_process_reuses_compiled_programs":
         ("two processes compiling and reading back (the cache's in-process checks stay)",
          None),
+    "test_scripts.py::test_serving":
+        ("a server process under concurrent clients (the script's --help stays)", None),
     "test_scripts.py::test_stream_overhead":
         ("streamed against one-shot decodes, timed (the script's --help stays)", None),
     "test_scripts.py::test_roofline":

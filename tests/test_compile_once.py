@@ -124,6 +124,7 @@ def test_the_process_holds_at_most_max_programs(monkeypatch):
     from packed_ss_jax import engine as engine_lib
 
     monkeypatch.setenv("PACKED_SS_MAX_PROGRAMS", "2")
+    monkeypatch.setattr(engine_lib, "_floor", 0)   # a server of this process may have raised it
     a, b = ps.Engine(tiny_model(0)), ps.Engine(tiny_model(1))
     options_ = ps.DecodeOptions(schedule="ar", max_new_tokens=3)
 
@@ -146,3 +147,6 @@ def test_the_process_holds_at_most_max_programs(monkeypatch):
     monkeypatch.setenv("PACKED_SS_MAX_PROGRAMS", "many")
     with pytest.raises(ValueError, match="PACKED_SS_MAX_PROGRAMS must be a positive integer"):
         engine_lib.max_programs()
+    monkeypatch.setenv("PACKED_SS_MAX_PROGRAMS", "2")
+    engine_lib.keep_at_least(5)   # a server holding every program it compiled at startup
+    assert engine_lib.max_programs() == 5

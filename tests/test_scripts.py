@@ -39,6 +39,7 @@ SMOKE = {
     "benchmarks.real_size": ["test_scripts.py::test_real_size_stages",
                              "test_scripts.py::test_real_size_end_to_end"],
     "benchmarks.roofline": ["test_scripts.py::test_roofline"],
+    "benchmarks.serving": ["test_scripts.py::test_serving"],
     "benchmarks.stream_overhead": ["test_scripts.py::test_stream_overhead"],
     "tools.fixtures": ["test_fixtures_manifest.py::test_generator_reproduces_the_committed_files"],
     "tools.fuzz_torch_bin": [
@@ -140,6 +141,18 @@ def test_stream_overhead(capsys):
     assert stream_overhead.main(["--tokens", "16", "--chunks", "4", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
     assert "| one-shot | 1 |" in out and "| k=4 |" in out and "| k=4 + text |" in out
+
+
+def test_serving(tmp_path, capsys):
+    from benchmarks import serving
+
+    out = tmp_path / "serving.json"
+    assert serving.main(["--schedules", "packed", "--concurrency", "1,3", "--requests", "3",
+                         "--max-tokens", "6", "--long-tokens", "24", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "| packed | 1 |" in table and "| packed | 3 |" in table
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["clients"] for r in rows] == [1, 3] and rows[0]["vs_sequential"] == 1.0
 
 
 def _stage(real_size, spec: dict, capsys) -> dict:

@@ -14,6 +14,8 @@ import json
 import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import packed_ss_jax as ps
@@ -116,7 +118,12 @@ def test_nothing_compiles_whatever_a_request_asks(client, base):
                                       temperature=temperature, top_p=top_p, seed=i,
                                       max_tokens=1 + 7 * i, stop=["\n", str(i)])
         client.chat.completions.create(model="nld-tiny", messages=[
-            {"role": "user", "content": "Maya has 12 apples. How many?"}], temperature=0.5)
+            {"role": "user", "content": "Maya has 12 apples. How many?"}], temperature=0.5,
+            logprobs=True, top_logprobs=2)
+        client.completions.create(model="nld-tiny", prompt=_question(1), max_tokens=0,
+                                  echo=True, logprobs=1)
+        client.completions.create(model="nld-tiny", prompt=[1] * (MAX_MODEL_LEN - 9),
+                                  max_tokens=9, logprobs=5)
         longest = [1] * (MAX_MODEL_LEN - 4)  # the largest prompt bucket
         code, body = request(base, "POST", "/v1/completions",
                              {"model": "nld-tiny", "prompt": longest, "max_tokens": 4})
@@ -176,7 +183,7 @@ def test_the_model_card_and_the_length_limit(base):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("logprobs", 2), ("echo", True), ("tools", [{"type": "function"}]), ("best_of", 3),
+    ("logprobs", 9), ("top_logprobs", 3), ("tools", [{"type": "function"}]), ("best_of", 3),
     ("presence_penalty", 0.5), ("logit_bias", {"5": 10}), ("suffix", "x"),
     ("response_format", {"type": "json_object"}), ("frequency", 1)])
 def test_a_field_the_server_would_not_act_on_is_a_400_naming_it(base, field, value):
@@ -275,3 +282,83 @@ def test_the_key_is_needed_but_a_cors_preflight_passes(base):
         conn.close()
     code, body = request(base, "GET", "/v1/models", headers={"Origin": ORIGIN})
     assert code == 200
+
+
+def _ar_logp(ids: list[int]) -> np.ndarray:
+    """log p(ids[i] | ids[:i]) for i >= 1, from one causal forward (`ps.logits`)."""
+    T = len(ids)
+    logits = ps.logits(MODEL, ids, np.arange(T), np.tril(np.ones((T, T), bool)))
+    logp = jax.nn.log_softmax(jnp.asarray(logits), axis=-1)
+    return np.asarray([logp[i - 1, ids[i]] for i in range(1, T)])
+
+
+def test_logprobs_and_echo_are_the_ar_models(client):
+    prompt = _question(4)
+    ids = MODEL.tokenizer.encode(prompt).ids
+    for temperature, seed in ((0, None), (1.0, 3)):
+        r = client.completions.create(model="nld-tiny", prompt=prompt, max_tokens=8,
+                                      temperature=temperature, seed=seed, logprobs=2)
+        got = r.model_extra["packed_ss"]["token_ids"]
+        lp = r.choices[0].logprobs
+        want = _ar_logp(ids + got)[len(ids) - 1:]
+        np.testing.assert_allclose(lp.token_logprobs, want, atol=1e-4)
+        assert len(lp.top_logprobs) == len(got) and all(len(t) == 2 for t in lp.top_logprobs)
+        if temperature == 0:  # greedy: each token is the most likely one
+            assert all(max(t.values()) == pytest.approx(v, abs=1e-6)
+                       for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+    # echo with max_tokens 0: the prompt scored, nothing generated (lm-eval's loglikelihood)
+    r = client.completions.create(model="nld-tiny", prompt=prompt, max_tokens=0, echo=True,
+                                  logprobs=0)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == MODEL.tokenizer.decode(ids) and r.usage.completion_tokens == 0
+    assert lp.token_logprobs[0] is None and len(lp.tokens) == len(ids)
+    np.testing.assert_allclose(lp.token_logprobs[1:], _ar_logp(ids), atol=1e-4)
+    assert lp.text_offset[0] == 0 and lp.text_offset[-1] == len(r.choices[0].text) - len(lp.tokens[-1])
+
+
+def test_chat_logprobs_and_what_is_refused_with_a_stream(client, base):
+    messages = [{"role": "user", "content": "Maya has 12 apples. How many?"}]
+    r = client.chat.completions.create(model="nld-tiny", messages=messages, max_tokens=6,
+                                       temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert [c.token for c in content] == [MODEL.tokenizer.decode([i]) for i in
+                                          r.model_extra["packed_ss"]["token_ids"]]
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob == pytest.approx(
+        c.logprob, abs=1e-6) for c in content)
+    for body, field in ((dict(logprobs=1), "logprobs"), (dict(echo=True), "echo")):
+        code, got = request(base, "POST", "/v1/completions", {
+            "model": "nld-tiny", "prompt": "x", "stream": True, **body})
+        assert code == 400 and got["error"]["param"] == field
+    code, got = request(base, "POST", "/v1/completions",
+                        {"model": "nld-tiny", "prompt": "x", "max_tokens": 0})
+    assert code == 400 and got["error"]["param"] == "max_tokens"
+
+
+def test_a_batch_of_prompts_gives_each_its_choices(client):
+    prompts = [_question(5), _question(6)]
+    r = client.completions.create(model="nld-tiny", prompt=prompts, n=2, temperature=1.0,
+                                  seed=11, max_tokens=6)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    asked = dict(temperature=1.0, max_tokens=6)
+    want = [_alone(p, asked, seed=11 + i).text for p in prompts for i in range(2)]
+    assert [c.text for c in r.choices] == want
+    ids = [MODEL.tokenizer.encode(p).ids for p in prompts]
+    assert r.usage.prompt_tokens == sum(map(len, ids))
+    r = client.completions.create(model="nld-tiny", prompt=ids, temperature=0, max_tokens=6)
+    assert [c.text for c in r.choices] == [_alone(p, dict(temperature=0, max_tokens=6)).text
+                                           for p in prompts]
+
+
+def test_tokenize_and_detokenize(base):
+    code, got = request(base, "POST", "/tokenize", {"model": "nld-tiny", "prompt": _question(2)})
+    ids = MODEL.tokenizer.encode(_question(2)).ids
+    assert code == 200 and got == {"count": len(ids), "max_model_len": MAX_MODEL_LEN,
+                                   "tokens": ids}
+    code, got = request(base, "POST", "/tokenize", {"model": "nld-tiny", "messages": [
+        {"role": "user", "content": "Hi"}]})
+    assert code == 200 and got["count"] == len(got["tokens"]) > 1
+    code, got = request(base, "POST", "/detokenize", {"model": "nld-tiny", "tokens": ids})
+    assert code == 200 and got == {"prompt": MODEL.tokenizer.decode(ids)}
+    code, got = request(base, "POST", "/detokenize", {"model": "nld-tiny", "tokens": [10**9]})
+    assert code == 400 and got["error"]["param"] == "tokens"
+    assert request(base, "POST", "/tokenize", {"model": "nld-tiny"})[0] == 400

@@ -97,3 +97,12 @@ def first_call(prompt, n, B: int, mask_id: int) -> Call:
     sees_prompt = jnp.broadcast_to(jnp.arange(P)[None, :] < n, (B, P))
     bottom = jnp.concatenate([sees_prompt, jnp.ones((B, B), bool)], axis=1)
     return Call(tokens, positions, jnp.concatenate([top, bottom]), jnp.asarray(np.arange(P + B) >= P))
+
+
+def score(tokens) -> tuple[Call, np.ndarray]:
+    """The AR forward over a whole sequence [T], to score it: causal verifier rows; the
+    distribution of token i comes from row i - 1 (`rows[i]`; row 0 predicts nothing)."""
+    T = tokens.shape[0]
+    call = Call(_i32(tokens), jnp.arange(T, dtype=jnp.int32), jnp.asarray(causal(T)),
+                jnp.zeros(T, bool))
+    return call, np.maximum(np.arange(T) - 1, 0)

@@ -14,10 +14,12 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import validate
 from ..http_guard import Guard, Limits, error_body
+from ..validate import InputError
 from . import errors, formats
 from .errors import APIError, Scrubber
-from .formats import ChatBody, CompletionBody
+from .formats import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
 from .batcher import Batcher, Job
 from .worker import Preparer
 
@@ -52,6 +54,8 @@ def create_app(model, name: str, *, schedule: str = "packed", width: dict | None
     app.add_api_route("/v1/models", service.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", service.model, methods=["GET"])
     app.add_api_route("/v1/completions", service.completions, methods=["POST"])
+    app.add_api_route("/tokenize", service.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", service.detokenize, methods=["POST"])
     app.add_api_route("/v1/chat/completions", service.chat_completions, methods=["POST"])
     return Guard(app, limits, service.decoder.expired)
 
@@ -72,6 +76,9 @@ class Service:
         self.decoder.warm()
         self.preparer = Preparer(model, defaults, limits, self.decoder.expired)
         self.scrub = Scrubber(model, name)
+        tokenizer = getattr(model, "tokenizer", None)
+        self.decode = tokenizer.decode if tokenizer is not None else (
+            lambda ids: " ".join(map(str, ids)))   # a model without a tokenizer: the ids
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
@@ -120,6 +127,20 @@ class Service:
         m = self.decoder.metrics
         return Response(m.render(), media_type=m.content_type)
 
+    async def tokenize(self, body: TokenizeBody):
+        """vLLM's shape: the ids, their count and the server's --max-model-len."""
+        self._check_model(body)
+        ids = await self.preparer.tokenize(body)
+        return {"count": len(ids), "max_model_len": self.decoder.capacity, "tokens": ids}
+
+    async def detokenize(self, body: DetokenizeBody):
+        self._check_model(body)
+        try:
+            ids = validate.prompt_ids(self.decoder.engine.model, body.tokens)
+        except InputError as e:
+            raise APIError(400, str(e), param="tokens") from None
+        return {"prompt": self.decode([int(i) for i in ids])}
+
     def _card(self) -> dict:
         return {"id": self.name, "object": "model", "created": self.created,
                 "owned_by": "packed-ss", "max_model_len": self.decoder.capacity}
@@ -136,14 +157,14 @@ class Service:
     async def completions(self, body: CompletionBody, http: Request):
         self._check_model(body)
         options, max_tokens_field = formats.completion_options(body)
-        return await self._answer(formats.Completion(self.name, _usage_asked(body)), options,
-                                  max_tokens_field, body.stream, http)
+        form = formats.Completion(self.name, _usage_asked(body), options["score"], self.decode)
+        return await self._answer(form, options, max_tokens_field, body.stream, http)
 
     async def chat_completions(self, body: ChatBody, http: Request):
         self._check_model(body)
         options, max_tokens_field = formats.chat_options(body)
-        return await self._answer(formats.Chat(self.name, _usage_asked(body)), options,
-                                  max_tokens_field, body.stream, http)
+        form = formats.Chat(self.name, _usage_asked(body), options["score"], self.decode)
+        return await self._answer(form, options, max_tokens_field, body.stream, http)
 
     def _check_queue(self) -> None:
         """Past --max-queue requests waiting for a slot, a 503 telling the client when to
@@ -165,8 +186,9 @@ class Service:
     async def _answer(self, form, options: dict, max_tokens_field: str, streaming: bool,
                       http: Request):
         self._check_queue()
+        score = options.pop("score")
         choices = await self.preparer(options, max_tokens_field)
-        job = Job(choices, asyncio.get_running_loop())
+        job = Job(choices, asyncio.get_running_loop(), score)
         self.decoder.submit(job)
         if streaming:  # a client leaving ends the response's iteration (`_events`)
             return StreamingResponse(self._events(job, form), media_type="text/event-stream")
@@ -177,18 +199,20 @@ class Service:
             watch.cancel()
 
     async def _whole(self, job: Job, form) -> dict:
-        results = [None] * len(job.choices)
+        results, scores = [None] * len(job.choices), [None] * len(job.choices)
         try:
             while (item := await job.out.get()) is not None:
                 if isinstance(item, Exception):
                     raise errors.failure(item)
-                index, chunk = item
+                index, chunk, scored = item
                 results[index] = chunk.result or results[index]
+                scores[index] = scored if scored is not None else scores[index]
         finally:
             self._end(job)
         if job.cancelled.is_set() and None in results:  # the client left: no one to answer
             raise APIError(499, "the client closed the connection", code="client_closed")
-        return form.response(results, job.prompt_len)
+        return form.response(results, [c.prompt.tolist() for c in job.choices], scores,
+                             job.prompt_tokens)
 
     async def _events(self, job: Job, form):
         pieces = [formats.Pieces() for _ in job.choices]
@@ -200,11 +224,11 @@ class Service:
                 if isinstance(item, Exception):
                     yield formats.sse(self.error_json(errors.failure(item)))
                     break
-                index, chunk = item
+                index, chunk, _ = item   # a stream asks for no scores (formats)
                 results[index] = chunk.result or results[index]
                 yield formats.sse(form.event(index, pieces[index](chunk), chunk.result))
             else:
-                for event in form.closing(results, job.prompt_len):
+                for event in form.closing(results, job.prompt_tokens):
                     yield formats.sse(event)
             yield formats.DONE
         finally:  # the client went away, or we are done: stop decoding for it

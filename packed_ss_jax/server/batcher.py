@@ -8,8 +8,9 @@ one carries the drafts' proposal distributions, top-p stores them truncated). Fo
 kind there is one decode state of `slots` sequences (`Engine.slots`); everything else a
 request asks for (temperature, top-p, seed, stops, max tokens) is data of its slot. Every
 program the server can run (each kind's first call at every prompt bucket, and its
-insert, generate, halt and outcome) is compiled, or read from the persistent compilation
-cache, by `warm` before the server takes requests: no request compiles.
+insert, generate, halt and outcome, and the scoring forward of logprobs and echo at
+every length bucket) is compiled, or read from the persistent compilation cache, by
+`warm` before the server takes requests: no request compiles.
 
 The loop, on the decoder thread:
 
@@ -40,10 +41,11 @@ import time
 
 import numpy as np
 
-from ..chunks import Chunker
+from .. import scoring
+from ..chunks import Chunker, StreamChunk
 from ..engine import Engine, keep_at_least, to_host
 from ..options import DecodeOptions, Program, Request, bucket_for
-from ..results import check_finite, of_outcome
+from ..results import DecodeResult, check_finite, of_outcome
 from .errors import draining
 from .metrics import Metrics
 
@@ -56,10 +58,11 @@ _PER_KIND = ("empty", "insert", "generate", "halt", "outcome")
 class Job:
     """One request (its `n` choices, each a checked request with its own seed) on its way
     through the decoder thread. Items come back through an asyncio queue on the event
-    loop: (choice, StreamChunk) pairs, an exception (re-raised there), None at the end."""
+    loop: (choice, StreamChunk, Scores or None) triples, an exception (re-raised there),
+    None at the end. `score` (formats.Score): what to score once a choice has ended."""
 
-    def __init__(self, choices: list[Request], loop: asyncio.AbstractEventLoop):
-        self.choices, self.loop = choices, loop
+    def __init__(self, choices: list[Request], loop: asyncio.AbstractEventLoop, score=None):
+        self.choices, self.loop, self.score = choices, loop, score
         self.out: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.finished = False   # the decoder's last item is in `out`
@@ -68,8 +71,10 @@ class Job:
         self.first_token_s: float | None = None
 
     @property
-    def prompt_len(self) -> int:
-        return len(self.choices[0].prompt)
+    def prompt_tokens(self) -> int:
+        """The prompts' tokens, each prompt counted once (not once per choice)."""
+        seen = {id(c.prompt): len(c.prompt) for c in self.choices}
+        return sum(seen.values())
 
     def put(self, item) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, item)
@@ -158,9 +163,12 @@ class Batcher:
         by running each once: every kind's first call at every bucket, inserted into its
         state, launched, halted and read out."""
         kinds, buckets = self.kinds(), self.buckets()
-        self.programs = len(kinds) * (len(buckets) + len(_PER_KIND))
+        scored = sorted({min(b, self.capacity) for b in buckets} | {self.capacity})
+        self.programs = len(kinds) * (len(buckets) + len(_PER_KIND)) + len(scored)
         keep_at_least(self.programs + 8)
         t0, e = time.perf_counter(), self.engine
+        for n in scored:   # logprobs and echo: prompt and output scored (scoring.py)
+            scoring.score(e, [1] * n)
         for program in kinds:
             pool = self.pools[program] = _Pool(e, program, self.slots)
             options = self._options_of(program)
@@ -249,6 +257,9 @@ class Batcher:
                 self._drop(job)
                 continue
             request = job.choices[i]
+            if job.score is not None and job.score.only:
+                self._score_only(job, i)
+                continue
             pool = self.pools[dataclasses.replace(request.program, bucket=0)]
             slot = pool.free()
             if slot is None:
@@ -260,6 +271,23 @@ class Batcher:
             pool.seats[slot] = _Seat(job, i, request, Chunker(tokenizer, request.stop_texts),
                                      time.perf_counter())
         self.waiting = still
+
+    def _score_only(self, job: Job, index: int) -> None:
+        """A choice that generates nothing (`max_tokens: 0`): its prompt scored, no slot."""
+        request, t0 = job.choices[index], time.perf_counter()
+        seat = _Seat(job, index, request, Chunker(None), t0)
+        try:
+            scores = scoring.score(self.engine, request.prompt, job.score.top)
+        except Exception as error:  # reported to that request; the others go on
+            self._close(seat, error)
+            return
+        p = request.program
+        result = DecodeResult(tokens=[], nfe=1, iterations=0, accept_hist=np.zeros(1, int),
+                              wall_s=time.perf_counter() - t0, compile_s=0.0,
+                              schedule=p.schedule, prompt_len=len(request.prompt), drafts=0,
+                              text="", family=p.family, order=p.order)
+        job.put((index, StreamChunk([], "", result), scores))
+        self._close(seat, None)
 
     def _drop(self, job: Job) -> None:
         """A waiting job whose client went away: counted once, never started."""
@@ -311,20 +339,22 @@ class Batcher:
                 check_finite(out["nonfinite_at"], out["iterations"], out["tokens"])
                 result = of_outcome(e.model, e.family, seat.request, out,
                                     time.perf_counter() - seat.started, 0.0)
+                scores = None if seat.job.score is None else scoring.score(
+                    e, list(seat.request.prompt) + result.tokens, seat.job.score.top)
             except Exception as error:  # reported to that request; the others go on
                 self._close(seat, error)
                 continue
-            self._put(seat, seat.chunker.last(result))
+            self._put(seat, seat.chunker.last(result), scores)
             self.metrics.finished(result, seat.job.first_token_s,
                                   time.perf_counter() - seat.job.submitted)
             self._close(seat, None)
 
-    def _put(self, seat: _Seat, chunk) -> None:
+    def _put(self, seat: _Seat, chunk, scores=None) -> None:
         job = seat.job
         if job.first_token_s is None and chunk.tokens:
             job.first_token_s = time.perf_counter() - job.submitted
             self.metrics.first_token(job.first_token_s)
-        job.put((seat.index, chunk))
+        job.put((seat.index, chunk, scores))
 
     def _close(self, seat: _Seat, error: Exception | None) -> None:
         """One choice has ended; the job ends with its last choice (or its first error)."""

@@ -5,7 +5,9 @@ response and of a stream's events (OpenAI's fields, `usage` included, and under
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import secrets
 import time
 import uuid
@@ -15,6 +17,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, 
                       StrictInt, StrictStr)
 
 from .. import validate
+from ..scoring import MAX_TOP
 from ..validate import InputError
 from .errors import APIError
 
@@ -42,8 +45,7 @@ class StreamOptions(BaseModel):
 
 # OpenAI fields this server does not act on, with the values that ask for nothing (a
 # client may send those): any other value is a 400 naming the field, never ignored.
-UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None,), "echo": (None, False),
-               "suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None, {}),
+UNSUPPORTED = {"suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None, {}),
                "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
                "repetition_penalty": (None, 1), "tools": (None, []), "functions": (None, []),
                "tool_choice": (None, "none"), "function_call": (None, "none"),
@@ -72,8 +74,18 @@ class Body(BaseModel):
     n: StrictInt = Field(default=1, ge=1, le=MAX_N)
 
 
+MAX_LOGPROBS = 5          # completions' `logprobs` (OpenAI's limit)
+
+
+MAX_CHOICES = 64          # prompts x n of one request (each choice holds a slot)
+
+
 class CompletionBody(Body):
-    prompt: Union[Text, list[StrictInt]]
+    # A prompt (text or token ids), or a batch of them (one choice, or n, each).
+    prompt: Union[Text, list[StrictInt], list[Text], list[list[StrictInt]]]
+    max_tokens: Optional[StrictInt] = Field(default=None, ge=0, le=INT32_MAX)  # 0: echo only
+    logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = False
 
 
 class TextPart(BaseModel):
@@ -92,8 +104,26 @@ class Message(BaseModel):
 
 class ChatBody(Body):
     messages: list[Message] = Field(min_length=1)
+    logprobs: StrictBool = False
+    top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_TOP)
     max_completion_tokens: Optional[StrictInt] = Field(default=None, ge=1, le=INT32_MAX)
     chat_template_kwargs: Optional[dict[Text, Any]] = None
+
+
+class TokenizeBody(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: Text
+    prompt: Optional[Text] = None
+    messages: Optional[list[Message]] = Field(default=None, min_length=1)
+    chat_template_kwargs: Optional[dict[Text, Any]] = None
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: Text
+    tokens: list[StrictInt]
 
 
 # --- what a body asks for -----------------------------------------------------------------------
@@ -120,11 +150,42 @@ def _same(value, neutral) -> bool:
     return value == neutral
 
 
+@dataclasses.dataclass(frozen=True)
+class Score:
+    """What a request asks to be scored (scoring.score): the `top` most likely tokens per
+    position, the prompt's tokens too (`echo`), and nothing generated (`only`)."""
+
+    top: int = 0
+    echo: bool = False
+    only: bool = False
+
+
 def completion_options(body: CompletionBody) -> tuple[dict, str]:
-    """(the decode's options with the prompt, the field that sets max_new_tokens)."""
+    """(the decode's options with the prompt and what to score, the field that sets
+    max_new_tokens)."""
     refuse_unused(body)
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    return {**_options(body, max_tokens), "prompt": body.prompt}, "max_tokens"
+    if max_tokens == 0 and not body.echo:
+        raise APIError(400, "max_tokens 0 generates nothing: it needs echo (to score the "
+                            "prompt)", param="max_tokens")
+    score = None
+    if body.logprobs is not None or body.echo:
+        score = Score(body.logprobs or 0, body.echo, max_tokens == 0)
+        _no_stream(body, "logprobs" if body.logprobs is not None else "echo")
+    options = _options(body, max(max_tokens, 1))
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) * body.n > MAX_CHOICES:
+            raise APIError(400, f"{len(prompt)} prompts x n = {body.n} is more than the "
+                                f"{MAX_CHOICES} choices one request may have", param="prompt")
+        return {**options, "prompts": prompt, "score": score}, "max_tokens"
+    return {**options, "prompt": prompt, "score": score}, "max_tokens"
+
+
+def _no_stream(body: Body, field: str) -> None:
+    if body.stream:
+        raise APIError(400, f"{field} is not supported with stream: true on this server "
+                            "(ask without streaming)", param=field)
 
 
 def chat_options(body: ChatBody) -> tuple[dict, str]:
@@ -134,6 +195,12 @@ def chat_options(body: ChatBody) -> tuple[dict, str]:
     refuse_unused(body)
     field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     options = _options(body, body.max_completion_tokens or body.max_tokens)
+    options["score"] = None
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    if body.logprobs:
+        _no_stream(body, "logprobs")
+        options["score"] = Score(body.top_logprobs or 0)
     options["messages"] = [_joined(m.model_dump(exclude_none=True)) for m in body.messages]
     for i, m in enumerate(options["messages"]):
         _check_json_strings(m, f"messages[{i}]", "messages")
@@ -191,15 +258,17 @@ def _check_strings(value, where: str) -> None:
 class _Form:
     """The replies of one request: a whole response of every choice's result, or a
     stream's events (each choice's pieces, its last event with its finish reason and
-    statistics; with `stream_options.include_usage`, a last event with the usage)."""
+    statistics; with `stream_options.include_usage`, a last event with the usage).
+    `score`: what the request asked to be scored, `decode`: ids -> text."""
 
     prefix, chunk_object, whole_object = "", "", ""
 
-    def __init__(self, name: str, include_usage: bool = False):
+    def __init__(self, name: str, include_usage: bool = False, score: Score | None = None,
+                 decode=None):
         cid, now = _ids()
         self.head = dict(id=f"{self.prefix}-{cid}", object=self.chunk_object, created=now,
                          model=name)
-        self.include_usage = include_usage
+        self.include_usage, self.score, self.decode = include_usage, score, decode
 
     def opening(self, n: int) -> list[dict]:
         return []
@@ -214,11 +283,17 @@ class _Form:
             return []
         return [{**self.head, "choices": [], "usage": _usage(results, prompt_len)}]
 
-    def response(self, results: list, prompt_len: int) -> dict:
-        choices = [{"index": i, **self._whole(r), "finish_reason": r.finish_reason}
-                   for i, r in enumerate(results)]
+    def response(self, results: list, prompts: list[list[int]], scores: list,
+                 prompt_tokens: int) -> dict:
+        """Every choice's whole reply (`prompts`: the prompt of each choice)."""
+        choices = [{"index": i, **self._whole(r, scored, prompt),
+                    "finish_reason": r.finish_reason}
+                   for i, (r, scored, prompt) in enumerate(zip(results, scores, prompts))]
         return {**self.head, "object": self.whole_object, "choices": choices,
-                "usage": _usage(results, prompt_len), **_stats(results[0])}
+                "usage": _usage(results, prompt_tokens), **_stats(results[0])}
+
+    def _top(self, ids, logps) -> list[tuple[str, float]]:
+        return [(self.decode([int(i)]), float(v)) for i, v in zip(ids, logps)]
 
 
 class Completion(_Form):
@@ -229,8 +304,30 @@ class Completion(_Form):
     def _piece(self, piece: str) -> dict:
         return {"text": piece, "logprobs": None}
 
-    def _whole(self, result) -> dict:
-        return {"text": visible(result), "logprobs": None}
+    def _whole(self, result, scored, prompt) -> dict:
+        text = visible(result)
+        if self.score is None:
+            return {"text": text, "logprobs": None}
+        if self.score.echo:
+            text = self.decode(list(prompt)) + text
+        return {"text": text, "logprobs": self._logprobs(result, scored, prompt)}
+
+    def _logprobs(self, result, scored, prompt) -> dict:
+        """OpenAI's completion logprobs: the tokens (the prompt's too with echo), their
+        log-probabilities (None for the first token, which nothing predicts), the most
+        likely tokens at each position and each token's offset in the text."""
+        start = 0 if self.score.echo else len(prompt)
+        ids = (list(prompt) + list(result.tokens))[start:]
+        tokens = [self.decode([int(i)]) for i in ids]
+        offsets, at = [], 0
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        logp = [None if math.isnan(v) else float(v) for v in scored.logp[start:]]
+        top = [None if lp is None else dict(self._top(i, v)) for lp, i, v in
+               zip(logp, scored.top_ids[start:], scored.top_logp[start:])]
+        return {"tokens": tokens, "token_logprobs": logp, "top_logprobs": top,
+                "text_offset": offsets}
 
 
 class Chat(_Form):
@@ -247,8 +344,20 @@ class Chat(_Form):
     def _piece(self, piece: str) -> dict:
         return {"delta": {"content": piece} if piece else {}}
 
-    def _whole(self, result) -> dict:
-        return {"message": {"role": "assistant", "content": visible(result)}}
+    def _whole(self, result, scored, prompt) -> dict:
+        out = {"message": {"role": "assistant", "content": visible(result)}}
+        if self.score is not None:
+            n = len(prompt)
+            out["logprobs"] = {"content": [
+                {**_entry(self.decode([int(t)]), float(lp)),
+                 "top_logprobs": [_entry(*x) for x in self._top(ids, logps)]}
+                for t, lp, ids, logps in zip(result.tokens, scored.logp[n:],
+                                             scored.top_ids[n:], scored.top_logp[n:])]}
+        return out
+
+
+def _entry(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
 def visible(result) -> str:

@@ -55,8 +55,11 @@ class Preparer:
         self._lock, self._active = threading.Lock(), 0
 
     async def __call__(self, options: dict, max_tokens_field: str) -> list[Request]:
-        loop = asyncio.get_running_loop()
-        work = loop.run_in_executor(self.pool, self._prepare, options, max_tokens_field)
+        return await self._off_loop(self._prepare, options, max_tokens_field)
+
+    async def _off_loop(self, fn, *args):
+        """`fn(*args)` on the pool, under the prepare time limit and the drain."""
+        work = asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
         try:
             return await within(work, self.limits.prepare_timeout_s, self.expired)
         except Expired:
@@ -85,7 +88,12 @@ class Preparer:
 
     def _checked(self, options: dict, max_tokens_field: str) -> list[Request]:
         """The request of each of the `n` choices: one check, then choice i with the
-        request's seed + i (mod 2**32)."""
+        request's seed + i (mod 2**32). A batch of prompts: each prompt's choices, in
+        order."""
+        if "prompts" in options:
+            batch = options.pop("prompts")
+            return [r for prompt in batch
+                    for r in self._checked({**options, "prompt": prompt}, max_tokens_field)]
         field = "messages" if "messages" in options else "prompt"
         n = options.pop("n")
         try:
@@ -122,6 +130,26 @@ class Preparer:
                                param="prompt", code="context_length_exceeded")
             ids = validate.prompt_ids(self.model, prompt)
         return [int(i) for i in ids]
+
+    async def tokenize(self, body) -> list[int]:
+        """The ids of a /tokenize body (a prompt, or messages through the chat template),
+        off the event loop, under the prepare time limit."""
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give a prompt or messages (one of them)", param="prompt")
+        options = ({"prompt": body.prompt} if body.prompt is not None else
+                   {"messages": [m.model_dump(exclude_none=True) for m in body.messages],
+                    "chat_template_kwargs": body.chat_template_kwargs})
+        field = "prompt" if body.prompt is not None else "messages"
+
+        def ids():
+            try:
+                return self._prompt_ids(options, field)
+            except chat.TemplateError as e:
+                raise APIError(400, str(e), param="messages") from None
+            except InputError as e:
+                raise APIError(400, str(e), param=field) from None
+
+        return await self._off_loop(ids)
 
     def _fits(self, prompt_len: int, max_tokens: int, field: str, max_tokens_field: str):
         """The request fits the server's cache (--max-model-len)."""

@@ -17,6 +17,7 @@ layout takes the pending N as `pend_tok` (its token), `pend_out` (its output ind
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from ..calls import Call
 from .state import Window
@@ -130,3 +131,18 @@ def serial(n, pend_tok, pend_out, pend_n, w: Window, mask_id: int) -> Call:
     tokens = jnp.stack([jnp.where(pend_n > 0, pend_tok, mask_id), jnp.int32(mask_id)])
     positions = jnp.stack([n + jnp.maximum(pend_out, 0), n + w.out[0]])
     return _call(tokens, positions, mask)
+
+
+def score(tokens, mask_id: int) -> tuple[Call, np.ndarray]:
+    """The left-to-right forward over a whole sequence [T], to score it (the serial
+    schedule's conditionals, all in one call): T clean rows, each seeing the earlier
+    ones, then a MASK query row per position seeing the clean rows before it and itself;
+    the distribution of token i comes from query row T + i (`rows[i]`)."""
+    T = tokens.shape[0]
+    earlier = np.tril(np.ones((T, T), bool))
+    mask = np.block([[earlier, np.zeros((T, T), bool)],
+                     [np.tril(np.ones((T, T), bool), -1), np.eye(T, dtype=bool)]])
+    positions = jnp.tile(jnp.arange(T, dtype=jnp.int32), 2)
+    call = _call(jnp.concatenate([_i32(tokens), jnp.full(T, mask_id, jnp.int32)]), positions,
+                 jnp.asarray(mask))
+    return call, T + np.arange(T)
