@@ -131,6 +131,10 @@ SLOW: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "test_compile_cache.py::test_second_process_reuses_compiled_programs":
         ("two processes compiling and reading back (the cache's in-process checks stay)",
          None),
+    "test_serving.py::test_memory_stays_flat_over_hundreds_of_varied_requests":
+        ("360 requests through the server", None),
+    "test_scripts.py::test_lm_eval_serving":
+        ("lm-evaluation-harness against a server process", None),
     "test_scripts.py::test_serving":
         ("a server process under concurrent clients (the script's --help stays)", None),
     "test_scripts.py::test_stream_overhead":

@@ -39,6 +39,7 @@ SMOKE = {
     "benchmarks.real_size": ["test_scripts.py::test_real_size_stages",
                              "test_scripts.py::test_real_size_end_to_end"],
     "benchmarks.roofline": ["test_scripts.py::test_roofline"],
+    "benchmarks.lm_eval_serving": ["test_scripts.py::test_lm_eval_serving"],
     "benchmarks.serving": ["test_scripts.py::test_serving"],
     "benchmarks.stream_overhead": ["test_scripts.py::test_stream_overhead"],
     "tools.fixtures": ["test_fixtures_manifest.py::test_generator_reproduces_the_committed_files"],
@@ -141,6 +142,18 @@ def test_stream_overhead(capsys):
     assert stream_overhead.main(["--tokens", "16", "--chunks", "4", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
     assert "| one-shot | 1 |" in out and "| k=4 |" in out and "| k=4 + text |" in out
+
+
+def test_lm_eval_serving(tmp_path, capsys):
+    """lm-evaluation-harness against the server (the `eval` extra; CI's test extra leaves
+    it out: it installs a dataset stack of its own)."""
+    pytest.importorskip("lm_eval")
+    from benchmarks import lm_eval_serving
+
+    out = tmp_path / "lm_eval.json"
+    assert lm_eval_serving.main(["--limit", "2", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["choices"] == 8 and r["max_relative_diff"] < lm_eval_serving.MAX_RELATIVE
 
 
 def test_serving(tmp_path, capsys):

@@ -11,6 +11,7 @@ slot; /metrics parses; the API key is needed, and a CORS preflight passes withou
 import concurrent.futures
 import http.client
 import json
+import os
 import time
 
 import jax
@@ -362,3 +363,33 @@ def test_tokenize_and_detokenize(base):
     code, got = request(base, "POST", "/detokenize", {"model": "nld-tiny", "tokens": [10**9]})
     assert code == 400 and got["error"]["param"] == "tokens"
     assert request(base, "POST", "/tokenize", {"model": "nld-tiny"})[0] == 400
+
+
+def _maps() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc (Linux)")
+def test_memory_stays_flat_over_hundreds_of_varied_requests(client):
+    def ask(i):
+        kw = dict(temperature=[0, 0.4, 1.3][i % 3], seed=i, max_tokens=1 + i % 12,
+                  stop=["\n"] if i % 5 == 0 else None, n=1 + i % 2)
+        if i % 3 == 2:
+            kw["top_p"] = 0.5 + (i % 7) / 20
+        if i % 4 == 1:
+            kw["logprobs"] = i % 6
+        return client.completions.create(model="nld-tiny", prompt=_question(i), **kw)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(ask, range(60)))   # everything warmed: buffers, threads, pools
+    maps, rss = _maps(), _rss_mb()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(ask, range(60, 360)))
+    # 300 requests of varied options: no program compiled, nothing kept per request.
+    assert _maps() - maps < 30 and _rss_mb() - rss < 40, (_maps() - maps, _rss_mb() - rss)

@@ -14,7 +14,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import validate
+from .. import chat, validate
 from ..http_guard import Guard, Limits, error_body
 from ..validate import InputError
 from . import errors, formats
@@ -56,6 +56,7 @@ def create_app(model, name: str, *, schedule: str = "packed", width: dict | None
     app.add_api_route("/v1/completions", service.completions, methods=["POST"])
     app.add_api_route("/tokenize", service.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", service.detokenize, methods=["POST"])
+    app.add_api_route("/tokenizer_info", service.tokenizer_info, methods=["GET"])
     app.add_api_route("/v1/chat/completions", service.chat_completions, methods=["POST"])
     return Guard(app, limits, service.decoder.expired)
 
@@ -79,6 +80,7 @@ class Service:
         tokenizer = getattr(model, "tokenizer", None)
         self.decode = tokenizer.decode if tokenizer is not None else (
             lambda ids: " ".join(map(str, ids)))   # a model without a tokenizer: the ids
+        self.tokenizer_card = _tokenizer_card(model, defaults["cache_size"])
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
@@ -127,6 +129,11 @@ class Service:
         m = self.decoder.metrics
         return Response(m.render(), media_type=m.content_type)
 
+    async def tokenizer_info(self):
+        """vLLM's /tokenizer_info: the special tokens and the chat template, so that a
+        client tokenizes as the server does (lm-evaluation-harness's remote tokenizer)."""
+        return self.tokenizer_card
+
     async def tokenize(self, body: TokenizeBody):
         """vLLM's shape: the ids, their count and the server's --max-model-len."""
         self._check_model(body)
@@ -174,10 +181,10 @@ class Service:
                                 "waiting for a slot; try again shortly", "server_error",
                            code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
 
-    def _check_model(self, body: formats.Body) -> None:
+    def _check_model(self, body) -> None:
         if self.decoder.draining:
             raise errors.draining()
-        if body.model != self.name:
+        if body.model is not None and body.model != self.name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                                 f"{self.name!r}", param="model", code="model_not_found")
 
@@ -250,3 +257,18 @@ async def _watch_disconnect(http: Request, job: Job) -> None:
         pass
     job.cancelled.set()
     job.out.put_nowait(None)   # ends the wait for results
+
+
+def _tokenizer_card(model, max_model_len: int) -> dict:
+    """/tokenizer_info's body: the special tokens' texts, the chat template's source."""
+    tokenizer, c = getattr(model, "tokenizer", None), model.config
+
+    def text(i):
+        return None if i is None or tokenizer is None else tokenizer.id_to_token(int(i))
+
+    try:
+        template = chat.of(model).source
+    except chat.TemplateError:
+        template = None
+    return {"eos_token": text(c.eos_token_id), "bos_token": text(c.bos_token_id),
+            "pad_token": None, "chat_template": template, "model_max_length": max_model_len}

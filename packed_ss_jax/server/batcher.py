@@ -41,7 +41,7 @@ import time
 
 import numpy as np
 
-from .. import scoring
+from .. import memory, scoring
 from ..chunks import Chunker, StreamChunk
 from ..engine import Engine, keep_at_least, to_host
 from ..options import DecodeOptions, Program, Request, bucket_for
@@ -51,6 +51,8 @@ from .metrics import Metrics
 
 DEFAULT_SLOTS = 8     # --max-num-seqs
 DEFAULT_STEPS = 4     # --steps-per-launch: loop iterations between the host's looks
+# The kinds of sampling, each its own decode state: greedy, sampled, sampled with top-p.
+_KINDS = (dict(temperature=0.0), dict(temperature=1.0), dict(temperature=1.0, top_p=0.5))
 # One program of each kind per prompt bucket, plus these five per kind.
 _PER_KIND = ("empty", "insert", "generate", "halt", "outcome")
 
@@ -135,18 +137,17 @@ class Batcher:
         self.warm_s = 0.0
         self.programs = 0
         self.metrics = Metrics(lambda: self.queued, lambda: self.busy_slots,
-                               slots * 3)   # three kinds of sampling (`kinds`)
+                               slots * len(_KINDS))
 
     # --- startup -----------------------------------------------------------------------
 
-    def kinds(self) -> list[Program]:
-        """The slot program of each kind of sampling served (bucket 0)."""
+    def kinds(self) -> list[tuple[Program, DecodeOptions]]:
+        """The slot program (bucket 0) of each kind of sampling served, and options of it."""
         found = []
-        for sampling in (dict(temperature=0.0), dict(temperature=1.0),
-                         dict(temperature=1.0, top_p=0.5)):
-            r = self.engine.request([1], DecodeOptions(**self.defaults, max_new_tokens=1,
-                                                       **sampling))
-            found.append(dataclasses.replace(r.program, bucket=0))
+        for sampling in _KINDS:
+            options = DecodeOptions(**self.defaults, max_new_tokens=1, **sampling)
+            program = self.engine.request([1], options).program
+            found.append((dataclasses.replace(program, bucket=0), options))
         return found
 
     def buckets(self) -> list[int]:
@@ -161,30 +162,28 @@ class Batcher:
     def warm(self) -> None:
         """Compiles (or reads from the persistent cache) every program a request can need,
         by running each once: every kind's first call at every bucket, inserted into its
-        state, launched, halted and read out."""
+        state, launched, halted and read out, and the scoring forward at every length
+        bucket. Refuses, before allocating, states that cannot fit in memory."""
         kinds, buckets = self.kinds(), self.buckets()
         scored = sorted({min(b, self.capacity) for b in buckets} | {self.capacity})
         self.programs = len(kinds) * (len(buckets) + len(_PER_KIND)) + len(scored)
         keep_at_least(self.programs + 8)
-        t0, e = time.perf_counter(), self.engine
+        e = self.engine
+        memory.check(e.model, dataclasses.replace(kinds[-1][0], bucket=buckets[-1]),
+                     self.capacity, self.slots * len(kinds),
+                     "a smaller --max-model-len or --max-num-seqs")
+        t0 = time.perf_counter()
         for n in scored:   # logprobs and echo: prompt and output scored (scoring.py)
             scoring.score(e, [1] * n)
-        for program in kinds:
+        for program, options in kinds:
             pool = self.pools[program] = _Pool(e, program, self.slots)
-            options = self._options_of(program)
             for b in buckets:
-                n = min(b, self.capacity - 1)
-                request = e.request([1] * n, dataclasses.replace(options, max_new_tokens=1))
+                request = e.request([1] * min(b, self.capacity - 1), options)
                 pool.state = e.insert(e.prefill(request), pool.state, 0)
             pool.state, _ = e.generate(pool.state, self.steps, program)
             pool.state = e.halt(pool.state, 0, program)
             e.outcome(pool.state, program)
         self.warm_s = time.perf_counter() - t0
-
-    def _options_of(self, program: Program) -> DecodeOptions:
-        s = program.sampling
-        return DecodeOptions(**self.defaults, temperature=0.0 if s.greedy else 1.0,
-                             top_p=0.5 if s.nucleus else None)
 
     # --- the event loop's side ---------------------------------------------------------
 
@@ -209,9 +208,6 @@ class Batcher:
         self.expired.set()
         for job in list(self.live):
             job.abort(draining())
-
-    def fits(self, program: Program) -> bool:
-        return dataclasses.replace(program, bucket=0) in self.pools
 
     @property
     def busy_slots(self) -> int:

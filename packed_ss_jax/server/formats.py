@@ -111,18 +111,22 @@ class ChatBody(Body):
 
 
 class TokenizeBody(BaseModel):
-    """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
+    """vLLM's /tokenize: a prompt (with the tokenizer's special tokens unless
+    `add_special_tokens` is false, as a completion's prompt has them), or chat messages
+    rendered by the chat template. `model` may be left out (clients such as
+    lm-evaluation-harness do)."""
 
     model_config = ConfigDict(extra="forbid")
-    model: Text
+    model: Optional[Text] = None
     prompt: Optional[Text] = None
+    add_special_tokens: StrictBool = True
     messages: Optional[list[Message]] = Field(default=None, min_length=1)
     chat_template_kwargs: Optional[dict[Text, Any]] = None
 
 
 class DetokenizeBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    model: Text
+    model: Optional[Text] = None
     tokens: list[StrictInt]
 
 

@@ -128,7 +128,11 @@ class Preparer:
                 raise APIError(400, f"the prompt has {len(prompt)} characters: more than this "
                                     f"server's limit of {self.context} tokens (--max-model-len) can hold",
                                param="prompt", code="context_length_exceeded")
-            ids = validate.prompt_ids(self.model, prompt)
+            if options.pop("special", True):
+                ids = validate.prompt_ids(self.model, prompt)
+            else:  # /tokenize's add_special_tokens: false
+                ids = validate.encode(self.model.tokenizer, validate.text(prompt, "prompt"),
+                                      add_special_tokens=False)
         return [int(i) for i in ids]
 
     async def tokenize(self, body) -> list[int]:
@@ -136,7 +140,8 @@ class Preparer:
         off the event loop, under the prepare time limit."""
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give a prompt or messages (one of them)", param="prompt")
-        options = ({"prompt": body.prompt} if body.prompt is not None else
+        options = ({"prompt": body.prompt, "special": body.add_special_tokens}
+                   if body.prompt is not None else
                    {"messages": [m.model_dump(exclude_none=True) for m in body.messages],
                     "chat_template_kwargs": body.chat_template_kwargs})
         field = "prompt" if body.prompt is not None else "messages"
