@@ -73,7 +73,7 @@ CHAT = st.one_of(_fields(model=MODEL_NAME, messages=st.one_of(st.lists(MESSAGE, 
 
 @pytest.fixture(scope="module")
 def server():
-    with running() as s:
+    with running("--max-model-len", "128") as s:
         yield s
 
 

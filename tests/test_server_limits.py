@@ -60,9 +60,10 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    with running("--model", str(model_dir), "--api-key", KEY, "--max-body-bytes",
-                 str(BODY_LIMIT), "--header-timeout", str(HEADER_TIMEOUT), "--body-timeout",
-                 str(BODY_TIMEOUT), "--max-connections", str(MAX_CONNECTIONS)) as s:
+    with running("--model", str(model_dir), "--max-model-len", "128", "--api-key", KEY,
+                 "--max-body-bytes", str(BODY_LIMIT), "--header-timeout", str(HEADER_TIMEOUT),
+                 "--body-timeout", str(BODY_TIMEOUT), "--max-connections",
+                 str(MAX_CONNECTIONS)) as s:
         yield s
 
 
@@ -303,7 +304,7 @@ def _serve_lines(*args: str, until: str | None, timeout: float = 120) -> tuple[s
     """`packed-ss serve ARGS` output up to the line holding `until` (then it is stopped)."""
     proc = subprocess.Popen([sys.executable, "-m", "packed_ss_jax", "serve", *args], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PACKED_SS_COMPILE_CACHE": "off"})
+                            env=dict(os.environ))
     lines = []
     try:
         deadline = time.monotonic() + timeout
@@ -319,9 +320,12 @@ def _serve_lines(*args: str, until: str | None, timeout: float = 120) -> tuple[s
 
 
 def test_binding_beyond_loopback_without_a_key_warns():
-    out, _ = _serve_lines("--host", "0.0.0.0", "--port", "0", until="serving")
+    # The shortest --max-model-len: the server compiles its programs before it listens.
+    out, _ = _serve_lines("--host", "0.0.0.0", "--port", "0", "--max-model-len", "32",
+                          until="serving")
     assert "warning: serving on 0.0.0.0 without --api-key" in out, out
-    out, _ = _serve_lines("--host", "0.0.0.0", "--port", "0", "--api-key", KEY, until="serving")
+    out, _ = _serve_lines("--host", "0.0.0.0", "--port", "0", "--api-key", KEY,
+                          "--max-model-len", "32", until="serving")
     assert "warning" not in out and "serving nld-tiny on http://0.0.0.0:" in out, out
 
 

@@ -23,7 +23,8 @@ def test_serve_on_a_mesh_answers_completions_and_chats_streamed_and_not():
     want = ps.decode(model, PROMPT, max_new_tokens=12, eos_id=-1).text
     assert want
     chat_want = ps.decode(model, api.chat_prompt(model, MESSAGES), max_new_tokens=12).text
-    with running("--model", EMBEDDED, "--mesh", "data=2,model=2", env=DEVICES) as server:
+    with running("--model", EMBEDDED, "--mesh", "data=2,model=2", "--max-model-len", "64",
+                 env=DEVICES) as server:
         base = server.base
         body = {"model": "nld-tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
         status, out = request(base, "POST", "/v1/completions", body)
