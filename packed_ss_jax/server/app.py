@@ -212,8 +212,8 @@ class Service:
                 if isinstance(item, Exception):
                     raise errors.failure(item)
                 index, chunk, scored = item
-                results[index] = chunk.result or results[index]
-                scores[index] = scored if scored is not None else scores[index]
+                if chunk.result is not None:   # a choice's last item: its result and scores
+                    results[index], scores[index] = chunk.result, scored
         finally:
             self._end(job)
         if job.cancelled.is_set() and None in results:  # the client left: no one to answer

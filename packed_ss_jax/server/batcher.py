@@ -297,9 +297,10 @@ class Batcher:
         flights = [(p, self.engine.dispatch(p.state, self.steps, p.program)) for p in running]
         for pool, (state, progress) in flights:
             pool.state = state
-            self._hand_out(pool, *to_host(progress))
+            tokens, final, done, _ = to_host(progress)  # why it stopped: in the outcome
+            self._hand_out(pool, tokens, final, done)
 
-    def _hand_out(self, pool: _Pool, tokens, final, done, stopped) -> None:
+    def _hand_out(self, pool: _Pool, tokens, final, done) -> None:
         """Each seat's newly final ids to its client; seats that are done are freed."""
         ending = []
         for slot, seat in enumerate(pool.seats):
