@@ -2,8 +2,9 @@
 official `openai` client, for each schedule and number of concurrent clients.
 
 The same requests (the arithmetic task's first `--requests` prompts, greedy, streamed,
-`--max-tokens` each) are sent by C clients at once, for each C of `--concurrency`
-(C = 1: one after another). Reported per schedule and C: tokens per second over the
+`--max-tokens` each; with `--mixed`, every third one greedy, sampled at temperature 1, or
+at 0.7 with top-p 0.8, each with its own seed) are sent by C clients at once, for each C
+of `--concurrency` (C = 1: one after another). Reported per schedule and C: tokens per second over the
 whole run, its ratio to C = 1, the latency of a request (p50, p95) and its time to first
 token (p50, p95). Then, per schedule, a short request's latency alone and while a long
 one runs (their ratio is what a long request costs the others). Every response is
@@ -43,6 +44,8 @@ def _arguments(argv) -> argparse.Namespace:
     p.add_argument("--long-tokens", type=int, default=400,
                    help="the long request's max_tokens (the short one's: 8)")
     p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--mixed", action="store_true",
+                   help="greedy, sampled and top-p requests in turn (default: all greedy)")
     p.add_argument("--model", default=None, help="a checkpoint (default: the embedded one)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
@@ -82,12 +85,20 @@ class Server:
         self.proc.wait(timeout=60)
 
 
-def _one(client, model: str, prompt: str, max_tokens: int) -> dict:
+def _sampling(i: int, mixed: bool) -> dict:
+    """Request i's sampling options."""
+    if not mixed or i % 3 == 0:
+        return {"temperature": 0}
+    return {"temperature": 1.0, "seed": i} if i % 3 == 1 else {"temperature": 0.7,
+                                                                "top_p": 0.8, "seed": i}
+
+
+def _one(client, model: str, prompt: str, max_tokens: int, sampling=None) -> dict:
     """One streamed request: its tokens, latency and time to first token."""
     t0 = time.perf_counter()
     first, ids = None, []
     for event in client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
-                                           temperature=0, stream=True):
+                                           stream=True, **(sampling or {"temperature": 0})):
         if first is None and event.choices and event.choices[0].text:
             first = time.perf_counter() - t0
         stats = (event.model_extra or {}).get("packed_ss")
@@ -97,10 +108,11 @@ def _one(client, model: str, prompt: str, max_tokens: int) -> dict:
     return {"ids": ids, "latency": latency, "ttft": latency if first is None else first}
 
 
-def _run(client, model, prompts, max_tokens, concurrency) -> tuple[list[dict], float]:
+def _run(client, model, prompts, args, concurrency) -> tuple[list[dict], float]:
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        out = list(pool.map(lambda p: _one(client, model, p, max_tokens), prompts))
+        out = list(pool.map(lambda i: _one(client, model, prompts[i], args.max_tokens,
+                                           _sampling(i, args.mixed)), range(len(prompts))))
     return out, time.perf_counter() - t0
 
 
@@ -139,7 +151,7 @@ def measure(args, schedule: str) -> tuple[list[dict], dict, list[str]]:
         model = client.models.list().data[0].id
         rows, want, base_tps = [], None, None
         for c in args.concurrency:
-            out, wall = _run(client, model, prompts, args.max_tokens, c)
+            out, wall = _run(client, model, prompts, args, c)
             ids = [o["ids"] for o in out]
             if want is None:
                 want = ids

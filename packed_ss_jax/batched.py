@@ -29,6 +29,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from . import sampling
+
 
 def _keep_finished(done, old, new):
     """`new`, except that sequences finished before the step keep `old` (every leaf but
@@ -40,10 +42,19 @@ def _keep_finished(done, old, new):
     return rest.replace(cache=new.cache)
 
 
-def step_batch(step: Callable) -> Callable:
+def step_batch(step: Callable, batch_step: Callable | None = None) -> Callable:
     """`step(params, s) -> s` over a batch of states, finished sequences unchanged
-    (their cache writes land in slots they never read)."""
-    many = jax.vmap(step, in_axes=(None, 0))
+    (their cache writes land in slots they never read). With `batch_step` (a sampled
+    program's `Loop.batch_step`), each step is given the plan its live rows' sampling
+    values allow (sampling.batch_plan), unbatched: vmapped, a per-row choice would
+    compute both sides for every row, a branch on the plan computes one."""
+    if batch_step is None:
+        many = jax.vmap(step, in_axes=(None, 0))
+    else:
+        planned = jax.vmap(batch_step, in_axes=(None, 0, None))
+
+        def many(params, s):
+            return planned(params, s, sampling.batch_plan(s.sampler, ~s.done))
 
     def run(params, s):
         return _keep_finished(s.done, s, many(params, s))
@@ -76,8 +87,8 @@ def build(loop, cache_sharding=None) -> Callable:
     [N, kv_heads, slots, head_dim] buffer, see sharding.cache_spec) pins where the cache
     lives on a mesh, in the loop as at its start.
     """
-    start, step, outcome = loop.init, loop.step, loop.outcome
-    first, body = start_batch(start), step_batch(step)
+    start, outcome = loop.init, loop.outcome
+    first, body = start_batch(start), step_batch(loop.step, loop.batch_step)
 
     def pin(s):
         return pin_cache(s, cache_sharding)

@@ -251,7 +251,7 @@ def _serve_parser(prog: str) -> Parser:
     width_args(p)
     p.add_argument("--max-num-seqs", type=int_at_least(1, 256), default=8,
                    help="requests (each choice of one) decoded at once, in the slots of one "
-                        "batched state per kind of sampling (default 8)")
+                        "batched state (default 8)")
     p.add_argument("--max-model-len", type=int_at_least(2), default=None,
                    help="the most tokens a request may hold, prompt and output (the cache "
                         "size of every slot; default: the model's context, at most 4096)")
@@ -327,8 +327,9 @@ def _serving_app(args, limits):
                      max_model_len=args.max_model_len, slots=args.max_num_seqs,
                      steps=args.steps_per_launch, max_queue=args.max_queue)
     d = app.app.state.decoder
-    print(f"ready in {d.warm_s:.1f} s: {d.programs} programs for {d.slots} slots per kind of "
-          f"sampling (greedy, sampled, top-p), requests of up to {d.capacity} tokens",
+    served = "greedy and sampled" if d.sampled else "greedy (the schedule does not sample)"
+    print(f"ready in {d.warm_s:.1f} s: {d.programs} programs for {d.slots} slots, "
+          f"{served} requests of up to {d.capacity} tokens",
           file=sys.stderr, flush=True)
     return app, name
 

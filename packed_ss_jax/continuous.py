@@ -58,8 +58,8 @@ class Stats:
 
 def _programs(engine: Engine, batch: Batch, pin):
     loop = engine.loop(batch.program)
-    start, step, outcome = loop.init, loop.step, loop.outcome
-    step_all = batched.step_batch(step)
+    start, outcome = loop.init, loop.outcome
+    step_all = batched.step_batch(loop.step, loop.batch_step)
     first = batched.start_batch(start)
 
     def body(params, s):

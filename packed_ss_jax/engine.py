@@ -327,7 +327,7 @@ class Engine:
         if shape in self._slot_fns:
             return self._slot_fns[shape]
         loop, pin = self.loop(program), self.pinned(slots)
-        step_all = batched.step_batch(loop.step)
+        step_all = batched.step_batch(loop.step, loop.batch_step)
 
         def generate(params, s, k):
             def go(c):

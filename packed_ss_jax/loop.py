@@ -5,6 +5,9 @@ schedule step at a time until the state says done. `Loop` keeps those parts apar
 
 - `init(params, prompt, n, limits, key) -> state`: the first call;
 - `step(params, state) -> state`: one iteration;
+- `batch_step(params, state, plan) -> state` (sampled programs; None otherwise): the
+  step given its batch's plan (`sampling.batch_plan`), for the vmapped step of a batch
+  (batched.step_batch);
 - `outcome(state) -> dict`: what a decode returns, from any state;
 - `progress(state) -> (tokens, count, done)`: the output so far: `count` leading entries
   of `tokens` are final (no later iteration changes or drops them);
@@ -29,6 +32,7 @@ class Loop:
     step: Callable[[Any, Any], Any]   # (params, state) -> state, one schedule iteration
     outcome: Callable[[Any], dict]    # state -> the outcome dict
     progress: Callable[[Any], tuple]  # state -> (tokens, final count, done)
+    batch_step: Callable[..., Any] | None = None   # (params, state, plan) -> state
 
     def run(self, params, prompt, n, limits, key):
         s = self.init(params, prompt, n, limits, key)

@@ -108,6 +108,19 @@ class Batch:
         return jax.tree.map(jnp.asarray, self.host_args())
 
 
+def on_sampled_program(request: Request) -> Request:
+    """`request` on the sampled program of its schedule, width and sizes (without top-k):
+    a greedy request's temperature 0 is then data (`Sampler.argmax`), so greedy and
+    sampled requests, whatever their temperature and top-p, share one decode state. Its
+    tokens are those of `request`: the argmax where it is greedy, the same draws where
+    it samples."""
+    if request.program.sampling.top_k is not None:
+        raise ValueError("a top-k request keeps its own program (top-k fixes the stored "
+                         "proposals' shape)")
+    program = dataclasses.replace(request.program, sampling=Sampling(greedy=False))
+    return dataclasses.replace(request, program=program)
+
+
 def _power_of_two(n: int, least: int) -> int:
     b = least
     while b < n:

@@ -19,11 +19,21 @@ any T > 0 gives a valid law and T -> 0 gives the argmax. NaN logits count as -in
 here (the decode loop reports them, see nemotron/state.py); a drawn id is always in
 [0, V).
 
-Storage of Q: without truncation, full rows [W, V]; with top-k, the k largest entries
-([W, k] ids and log-probabilities); with top-p alone, at most `TOP_P_STORE` entries
-(the drafter's nucleus, capped; the cap only changes which drafts are proposed).
-Top-p keeps at least the most likely token at any p > 0, so p -> 0 tends to greedy, as
-T -> 0 does.
+Storage of Q: with top-k, the k largest entries ([W, k] ids and log-probabilities);
+otherwise the `Q_STORE` most likely ones, whatever top-p is (the cap only changes which
+drafts are proposed). One storage shape for every temperature and top-p is what lets
+requests with different ones share a decode state (the server's slots). Top-p keeps at
+least the most likely token at any p > 0, so p -> 0 tends to greedy, as T -> 0 does.
+
+A sampled program also decodes greedily, as data: a temperature of exactly 0 takes the
+argmax wherever the greedy program would (`Sampler.argmax`), so greedy and sampled
+requests can share one program; `decode` itself still compiles greedy requests into
+the greedy program, which carries no proposal distributions. Vmapped over a batch, a
+per-row choice computes both sides for every row, so a batch's step first makes a plan
+from its live rows' values (`batch_plan`, one of `PLANS`, passed unbatched into the
+vmapped step, where branching on it is a real branch): every live row greedy, only the
+greedy side runs; no live row truncating by top-p, no nucleus sort; else each row by
+its own values. Each plan computes the same values for the rows it is made for.
 """
 
 from __future__ import annotations
@@ -39,26 +49,25 @@ import numpy as np
 
 from .reductions import leading_true
 
-TOP_P_STORE = 64
+Q_STORE = 64
+PLANS = ("argmax", "whole", "mixed")   # a batch's step, by index (see `batch_plan`)
 
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """What a compiled decode is specialised on: greedy or sampled, and the truncations
-    that fix the stored proposals' shape (top-k's k; whether top-p truncates). The
-    temperature and top-p values are not: they are traced (`Sampler`), so one sampled
-    program serves every temperature and top-p."""
+    """What a compiled decode is specialised on: greedy or sampled, and top-k's k (it
+    fixes the stored proposals' shape). The temperature and top-p are not: they are
+    traced (`Sampler`), so one sampled program serves every temperature (0 included:
+    `Sampler.argmax`) and every top-p."""
 
     greedy: bool = True
     top_k: int | None = None
-    nucleus: bool = False   # top-p truncation (top_p < 1)
 
     def bind(self, temperature, top_p) -> Sampler:
-        """The sampler of this program with its traced values (`top_p` unused unless
-        `nucleus`)."""
+        """The sampler of this program with its traced values (top_p 1: no truncation)."""
         if self.greedy:
             return Sampler()
-        return Sampler(temperature, self.top_k, top_p if self.nucleus else None, greedy=False)
+        return Sampler(temperature, self.top_k, top_p, greedy=False)
 
 
 @flax.struct.dataclass
@@ -66,12 +75,15 @@ class Sampler:
     """temperature 0 is greedy (argmax, ties to the lowest id); top_k/top_p truncate.
 
     Built from Python numbers (checked here) or, inside a program, from traced values
-    (`Sampling.bind`): `greedy` and `top_k` are static, temperature and top_p are data."""
+    (`Sampling.bind`): `greedy` and `top_k` are static, temperature and top_p are data.
+    `plan`: inside a batch's step, the index in PLANS its live rows allow (traced, the
+    same for every row); None: each row by its own values."""
 
     temperature: Any = 0.0
     top_k: int | None = flax.struct.field(pytree_node=False, default=None)
     top_p: Any = None
     greedy: bool | None = flax.struct.field(pytree_node=False, default=None)
+    plan: Any = None
 
     def __post_init__(self):
         if self.greedy is not None:  # rebuilt from traced values: nothing to check
@@ -95,15 +107,25 @@ class Sampler:
         """The static part: what picks the compiled program."""
         if self.greedy:  # truncation does not change an argmax
             return Sampling()
-        return Sampling(False, self.top_k, self.top_p is not None)
+        return Sampling(False, self.top_k)
 
-    def store_size(self, vocab: int) -> int | None:
-        """Entries of Q kept per draft position; None = full rows."""
-        if self.top_k is not None:
-            return min(self.top_k, vocab)
-        if self.top_p is not None:
-            return min(TOP_P_STORE, vocab)
-        return None
+    @property
+    def argmax(self):
+        """Whether this sampled program decodes greedily (traced: temperature == 0)."""
+        return self.temperature == 0
+
+    def store_size(self, vocab: int) -> int:
+        """Entries of Q kept per draft position."""
+        return min(Q_STORE if self.top_k is None else self.top_k, vocab)
+
+
+def greedy_or_sampled(sampler: Sampler, greedy, sampled):
+    """`greedy()` or `sampled()` (no arguments; the same structure out) for a sampled
+    program: `sampled` picks per row by `sampler.argmax`; a batch whose live rows are all
+    greedy (plan 0) runs `greedy` alone."""
+    if sampler.plan is None:
+        return sampled()
+    return jax.lax.cond(sampler.plan == 0, greedy, sampled)
 
 
 def next_keys(state, n: int, sampler: Sampler):
@@ -115,6 +137,14 @@ def next_keys(state, n: int, sampler: Sampler):
     return state.replace(key=keys[0]), list(keys[1:])
 
 
+def batch_plan(sampler: Sampler, live):
+    """The index in PLANS of the cheapest step exact for every live row of a batch
+    (`sampler`'s values and `live` with a leading row axis)."""
+    greedy = (sampler.temperature == 0) | ~live
+    whole = jnp.all(greedy | (sampler.top_p >= 1))
+    return jnp.where(jnp.all(greedy), 0, jnp.where(whole, 1, 2))
+
+
 def traced_values(s: Sampler) -> dict:
     """The values a sampled program takes as data (float32, as the program holds them):
     the temperature and top-p (1 when top-p does not truncate)."""
@@ -124,8 +154,9 @@ def traced_values(s: Sampler) -> dict:
 
 @flax.struct.dataclass
 class StoredQ:
-    """Proposal distributions of the draft positions as log-probabilities: dense [W, V],
-    or sparse ids/log-probabilities [W, K] (-inf: no mass)."""
+    """Proposal distributions of the draft positions as log-probabilities: sparse ids and
+    log-probabilities [W, K] (-inf: no mass), as decodes store them, or dense [W, V]
+    (`ids` None)."""
 
     logp: jax.Array
     ids: jax.Array | None = None
@@ -133,11 +164,14 @@ class StoredQ:
     @staticmethod
     def empty(sampler: Sampler, width: int, vocab: int) -> StoredQ:
         """Storage for `width` draft positions, holding no proposal yet."""
+        return StoredQ.empty_of((width,), sampler, vocab)
+
+    @staticmethod
+    def empty_of(rows: tuple, sampler: Sampler, vocab: int) -> StoredQ:
+        """Storage for draft positions of shape `rows`, holding no proposal."""
         k = sampler.store_size(vocab)
-        if k is None:
-            return StoredQ(jnp.full((width, vocab), -jnp.inf, jnp.float32))
-        return StoredQ(jnp.full((width, k), -jnp.inf, jnp.float32),
-                       jnp.zeros((width, k), jnp.int32))
+        return StoredQ(jnp.full((*rows, k), -jnp.inf, jnp.float32),
+                       jnp.zeros((*rows, k), jnp.int32))
 
     @property
     def probs(self):
@@ -212,18 +246,25 @@ def target(logits, s: Sampler):
     if s.top_k is not None and s.top_k < x.shape[-1]:
         z = jnp.where(_keep_top_k(x, s.top_k), z, -jnp.inf)
     logp = _normalise(z)
-    if s.top_p is not None:
-        logp = _normalise(jnp.where(_keep_top_p(logp, z, s.top_p), logp, -jnp.inf))
-    return logp
+    if s.top_p is None:
+        return logp
+
+    # Traced top-p: 1 keeps the distribution as it is (not renormalised: the same values
+    # as no truncation). Unbatched, the sort runs only where top-p truncates; in a batch,
+    # only when the plan says some row does.
+    def nucleus():
+        return jax.lax.cond(s.top_p >= 1, lambda: logp, lambda: _normalise(
+            jnp.where(_keep_top_p(logp, z, s.top_p), logp, -jnp.inf)))
+
+    if s.plan is None:
+        return nucleus()
+    return jax.lax.cond(s.plan == PLANS.index("whole"), lambda: logp, nucleus)
 
 
 def proposal(logits, s: Sampler, mask_id: int) -> StoredQ:
     """The drafter's Q for each row (MASK excluded), in its storage form."""
     logp = target(logits.at[..., mask_id].set(-jnp.inf), s)
-    k = s.store_size(logits.shape[-1])
-    if k is None:
-        return StoredQ(logp)
-    top, ids = jax.lax.top_k(logp, k)
+    top, ids = jax.lax.top_k(logp, s.store_size(logits.shape[-1]))
     return StoredQ(_normalise(top), ids.astype(jnp.int32))
 
 

@@ -25,11 +25,19 @@ SLOW: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "test_sampling.py::test_seed_reproduces_and_batch_matches_single":
         ("a sampled batch program of every schedule", None),
     "test_sampling.py::test_temperature_zero_is_greedy": ("one program per schedule", ("packed",)),
+    "test_sampling.py::test_the_sampled_program_at_temperature_zero_is_greedy":
+        ("one sampled program per schedule", ("packed",)),
+    "test_sampling.py::test_the_sampled_program_at_temperature_zero_breaks_ties_as_greedy":
+        ("one sampled program per schedule", ("packed",)),
+    "test_sampling.py::test_a_capped_stored_proposal_keeps_the_law":
+        ("a chi-square law beyond one per family", None),
     "test_setdlm_sampling.py::test_follows_serial_distribution":
         ("a chi-square law per schedule and sampler; Packed at T=1 stays", ("packed-T=1",)),
     "test_setdlm_sampling.py::test_always_accept_is_caught": ("the law test's power", None),
     "test_setdlm_sampling.py::test_temperature_zero_is_greedy":
         ("one program per schedule", ("packed",)),
+    "test_setdlm_sampling.py::test_the_sampled_program_at_temperature_zero_is_greedy":
+        ("one sampled program per schedule", ("packed",)),
     "test_numerics.py::test_small_temperature_is_greedy":
         ("every schedule at five temperatures", ()),
     "test_numerics.py::test_setdlm_non_finite_weights_raise":
@@ -131,6 +139,8 @@ SLOW: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "test_compile_cache.py::test_second_process_reuses_compiled_programs":
         ("two processes compiling and reading back (the cache's in-process checks stay)",
          None),
+    "test_serving.py::test_setdlm_serves_greedy_and_sampled_requests_in_one_state":
+        ("a second SetDLM server, on its greedy-only decoder", ("packed",)),
     "test_serving.py::test_memory_stays_flat_over_hundreds_of_varied_requests":
         ("360 requests through the server", None),
     "test_scripts.py::test_lm_eval_serving":

@@ -294,7 +294,7 @@ def test_text_with_lone_surrogates_is_refused(embedded, text, where):
 # --- top_p ----------------------------------------------------------------------------------
 
 TINY_P = [1e-300, 5e-324, 1e-45, 1e-38]  # 0 or subnormal in float32, and 1e-38 just below
-V = 100  # more than TOP_P_STORE: the drafter's Q is stored truncated
+V = 100  # more than Q_STORE: the drafter's Q is stored truncated
 
 
 def _logits(n: int):
@@ -342,7 +342,7 @@ def test_tiny_top_p_speculative_acceptance_is_greedy(draft_logits, verify_logits
     tokens and the accepted tokens the verifier's (greedy), ties and near-ties included."""
     verify_logits[:same] = draft_logits[:same]  # some drafts agree with the verifier
     drafts, stored, h, C = _speculate(draft_logits, verify_logits, jax.random.PRNGKey(seed), p)
-    assert stored == (3, sampling.TOP_P_STORE)
+    assert stored == (3, sampling.Q_STORE)
     greedy = np.argmax(np.where(np.arange(V) == V - 1, -np.inf, draft_logits), axis=1)
     assert np.asarray(drafts).tolist() == greedy.tolist()
     want = np.argmax(verify_logits, axis=1)
@@ -362,7 +362,7 @@ def test_tiny_top_p_values_share_one_program():
 @pytest.mark.parametrize("name", ["nld-tiny", "setdlm-tiny"])
 def test_tiny_top_p_decodes_the_greedy_tokens(name):
     """End to end, for both families' speculative sampling (Packed-SS; Nemotron's vocabulary
-    is past TOP_P_STORE, so Q is stored truncated): a tiny top_p gave BOS repeated and no
+    is past Q_STORE, so Q is stored truncated): a tiny top_p gave BOS repeated and no
     text; it gives temperature 0's tokens."""
     m = ps.load(name)
     kw = dict(max_new_tokens=8, cache_size=128, eos_id=None)

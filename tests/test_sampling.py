@@ -21,6 +21,7 @@ from scipy import stats
 
 import packed_ss_jax as ps
 from packed_ss_jax import results, sampling
+from packed_ss_jax.options import on_sampled_program
 from packed_ss_jax.sampling import Sampler
 from tiny import tiny_model
 
@@ -168,6 +169,16 @@ def test_wrong_rules_are_caught(laws, monkeypatch, broken):
     assert p < ALPHA
 
 
+def test_a_capped_stored_proposal_keeps_the_law(laws, monkeypatch):
+    """Without top-k a draft's Q is stored as the drafter's Q_STORE most likely tokens.
+    Capped below the vocabulary (2 of the 5 tokens a draft may be), the drafts come from
+    the capped Q and the output still follows the AR law."""
+    monkeypatch.setattr(sampling, "Q_STORE", 2)
+    p = chi_square(_draw("packed", SETTINGS["T=1"][0], None, SEED0), laws["T=1"])
+    print(f"capped Q: p-value {p:.4f}")
+    assert p > ALPHA
+
+
 def tv_shift_rejections(law, n: int, trials: int = 20, move: float = 0.02) -> int:
     """How often the chi-square test rejects samples from a law at total-variation distance
     `move` from `law` (mass moved proportionally out of the likeliest continuation, the
@@ -221,6 +232,29 @@ def test_temperature_zero_is_greedy(nemotron, nemotron_ref, schedule):
         assert r.tokens == want
 
 
+@pytest.mark.parametrize("schedule", ["ar", "linear", "quadratic", "packed"])
+def test_the_sampled_program_at_temperature_zero_is_greedy(nemotron, nemotron_ref, schedule):
+    """A greedy request on the sampled program (as the server's slots decode it: the
+    temperature 0 is data, not the greedy program) gives the reference greedy tokens."""
+    engine = ps.Engine.of(nemotron)
+    request = engine.request(nemotron_ref["greedy_prompt"].tolist(), ps.DecodeOptions(
+        schedule=schedule, block_size=5, max_new_tokens=20, eos_id=None), seed=9)
+    shared = on_sampled_program(request)
+    assert request.program.sampling.greedy and not shared.program.sampling.greedy
+    assert engine.decode(shared).tokens == nemotron_ref["greedy_continuation"][:20].tolist()
+
+
+@pytest.mark.parametrize("schedule", ["ar", "packed"])
+def test_the_sampled_program_at_temperature_zero_breaks_ties_as_greedy(schedule):
+    """Every logit tied (zero weights): a draw at temperature 0 would pick any of them;
+    the sampled program's greedy slots take the lowest id, as the greedy program does."""
+    flat = jax.tree.map(jnp.zeros_like, MODEL)
+    engine = ps.Engine(flat)
+    request = engine.request(PROMPT, ps.DecodeOptions(schedule=schedule, block_size=B,
+                                                      max_new_tokens=6, eos_id=None), seed=3)
+    assert engine.decode(on_sampled_program(request)).tokens == engine.decode(request).tokens
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(temperature=-0.1), "temperature must be a finite number >= 0"),
     (dict(temperature=float("nan")), "temperature must be a finite number >= 0"),
@@ -243,8 +277,7 @@ def test_stored_q_storage_is_truncated():
     assert q.probs.shape == (4, 5) and q.ids.shape == (4, 5)
     np.testing.assert_allclose(np.asarray(q.probs).sum(-1), 1.0, rtol=1e-6)
     assert 49 not in np.asarray(q.ids)
-    dense = sampling.proposal(logits, Sampler(1.0), mask_id=49)
-    assert dense.ids is None and dense.probs.shape == (4, 50)
-    nucleus = sampling.proposal(logits, Sampler(1.0, top_p=0.5), mask_id=49)
-    assert nucleus.probs.shape == (4, sampling.TOP_P_STORE) if 50 > sampling.TOP_P_STORE \
-        else nucleus.probs.shape == (4, 50)
+    # Without top-k, the Q_STORE most likely entries, whatever top-p is (one shape).
+    for top_p in (None, 0.5):
+        q = sampling.proposal(logits, Sampler(1.0, top_p=top_p), mask_id=49)
+        assert q.probs.shape == q.ids.shape == (4, min(sampling.Q_STORE, 50))

@@ -230,8 +230,12 @@ def test_a_request_is_checked_rendered_and_tokenized_once(monkeypatch):
                 code, got = request(base, "POST", path, body)
             assert code == 200, got
             is_chat = path == "/v1/chat/completions"
-            # One check (options.request), and the decoder starts exactly that request.
-            assert len(checked) == 1 and len(streamed) == 1 and streamed[0] is checked[0]
+            # One check (options.request), and the decoder starts exactly that request,
+            # on the slots' sampled program (its temperature 0 is data there).
+            assert len(checked) == 1 and len(streamed) == 1
+            s, c = streamed[0], checked[0]
+            assert s.prompt is c.prompt and s.limits is c.limits and s.seed == c.seed
+            assert s.program == options.on_sampled_program(c).program != c.program
             # The template rendered once (chat only); the prompt and the stop string
             # tokenized once each.
             assert len(renders) == (1 if is_chat else 0)

@@ -1,12 +1,13 @@
 """The server's continuous batching (server/batcher.py), through the official `openai`
 client against an app served in this process: requests joining and leaving while others
 run each get the tokens `decode` gives them alone (greedy, sampled and top-p, streamed
-and not); nothing compiles after startup, whatever the requests ask for; `n` choices are
+and not, advancing in the same calls; SetDLM too); nothing compiles after startup, whatever the requests ask for; `n` choices are
 the decodes of consecutive seeds; a request without a seed gets a fresh one; chat's
 default length is what fits; `stream_options.include_usage` ends a stream with the
 usage; a request past --max-model-len is refused with the limit; a field the server
 would not act on is refused; past --max-queue a 503; a client that leaves frees its
-slot; /metrics parses; the API key is needed, and a CORS preflight passes without it."""
+slot; /metrics parses; the API key is needed, and a CORS preflight passes without it;
+logprobs, streamed or not, are the AR model's."""
 
 import concurrent.futures
 import http.client
@@ -41,7 +42,7 @@ def _question(i: int) -> str:
     return f"Question: Ava has {i} apples. She gets {i + 3} more apples. How many?\nAnswer:"
 
 
-# (sampling, max_tokens) per request: the three kinds of sampling, lengths that make
+# (sampling, max_tokens) per request: greedy, sampled and top-p, lengths that make
 # requests end at different launches, so that others join mid-flight.
 def _asked(i: int) -> dict:
     kind = [dict(temperature=0), dict(temperature=1.0, seed=100 + i),
@@ -50,9 +51,13 @@ def _asked(i: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def base():
-    app = create_app(MODEL, "nld-tiny", max_model_len=MAX_MODEL_LEN, slots=SLOTS, steps=2,
-                     limits=Limits(api_key=KEY, allowed_origins=(ORIGIN,)))
+def app():
+    return create_app(MODEL, "nld-tiny", max_model_len=MAX_MODEL_LEN, slots=SLOTS, steps=2,
+                      limits=Limits(api_key=KEY, allowed_origins=(ORIGIN,)))
+
+
+@pytest.fixture(scope="module")
+def base(app):
     with in_process(app) as url:
         yield url
 
@@ -95,19 +100,34 @@ class _Compiles:
 COMPILES = _Compiles()
 
 
-def test_requests_joining_mid_flight_get_their_own_decode(client):
+def _kind(request) -> str:
+    t, p = (float(request.limits[k]) for k in ("temperature", "top_p"))
+    return "greedy" if t == 0 else "top-p" if p < 1 else "sampled"
+
+
+def test_requests_joining_mid_flight_get_their_own_decode(client, app):
     n = 4 * SLOTS
     want = {i: _alone(_question(i), _asked(i)) for i in range(n)}  # compiled before the watch
-    COMPILES.on = True
+    decoder, launches = app.app.state.decoder, []
+    launch = decoder._launch
+
+    def watched():   # the kinds of sampling of the slots each launch advances together
+        launches.append({_kind(s.request) for s in decoder.pool.seats if s is not None})
+        launch()
+
+    decoder._launch, COMPILES.on = watched, True
     try:
         with concurrent.futures.ThreadPoolExecutor(n) as pool:
             got = dict(zip(range(n), pool.map(lambda i: _ask(client, i, i % 2 == 1), range(n))))
     finally:
         COMPILES.on = False
+        del decoder._launch
     for i in range(n):
         assert got[i] == (want[i].tokens, want[i].text), (i, _asked(i))
     # Requests of every kind and length, and nothing compiled while serving them.
     assert COMPILES.events == []
+    # Greedy, sampled and top-p requests advanced in the same calls.
+    assert {"greedy", "sampled", "top-p"} in launches, launches
 
 
 def test_nothing_compiles_whatever_a_request_asks(client, base):
@@ -260,7 +280,7 @@ def test_metrics_parse_and_count_what_was_served(base, client):
     assert after["packed_ss_requests_total"] - before.get("packed_ss_requests_total", 0) == 1
     assert after["packed_ss_time_to_first_token_seconds_count"] > before.get(
         "packed_ss_time_to_first_token_seconds_count", 0)
-    assert after["packed_ss_slots"] == 3 * SLOTS
+    assert after["packed_ss_slots"] == SLOTS
     assert after["packed_ss_queue_length"] == 0 and after["packed_ss_slots_busy"] == 0
 
 
@@ -307,6 +327,15 @@ def test_logprobs_and_echo_are_the_ar_models(client):
         if temperature == 0:  # greedy: each token is the most likely one
             assert all(max(t.values()) == pytest.approx(v, abs=1e-6)
                        for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+        # Streamed, the same tokens, logprobs and offsets, chunk by chunk.
+        events = list(client.completions.create(model="nld-tiny", prompt=prompt, max_tokens=8,
+                                                temperature=temperature, seed=seed, logprobs=2,
+                                                stream=True))
+        parts = [e.choices[0].logprobs for e in events if e.choices[0].logprobs]
+        assert [t for p in parts for t in p.tokens] == lp.tokens
+        assert [o for p in parts for o in p.text_offset] == lp.text_offset
+        np.testing.assert_allclose([v for p in parts for v in p.token_logprobs],
+                                   lp.token_logprobs, atol=1e-5)
     # echo with max_tokens 0: the prompt scored, nothing generated (lm-eval's loglikelihood)
     r = client.completions.create(model="nld-tiny", prompt=prompt, max_tokens=0, echo=True,
                                   logprobs=0)
@@ -319,17 +348,25 @@ def test_logprobs_and_echo_are_the_ar_models(client):
 
 def test_chat_logprobs_and_what_is_refused_with_a_stream(client, base):
     messages = [{"role": "user", "content": "Maya has 12 apples. How many?"}]
-    r = client.chat.completions.create(model="nld-tiny", messages=messages, max_tokens=6,
-                                       temperature=0, logprobs=True, top_logprobs=3)
+    asked = dict(model="nld-tiny", messages=messages, max_tokens=12, temperature=0,
+                 logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(**asked)
     content = r.choices[0].logprobs.content
     assert [c.token for c in content] == [MODEL.tokenizer.decode([i]) for i in
                                           r.model_extra["packed_ss"]["token_ids"]]
     assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob == pytest.approx(
         c.logprob, abs=1e-6) for c in content)
-    for body, field in ((dict(logprobs=1), "logprobs"), (dict(echo=True), "echo")):
-        code, got = request(base, "POST", "/v1/completions", {
-            "model": "nld-tiny", "prompt": "x", "stream": True, **body})
-        assert code == 400 and got["error"]["param"] == field
+    # Streamed: each chunk carries its tokens' logprobs; together, the same as above.
+    events = list(client.chat.completions.create(stream=True, **asked))
+    streamed = [c for e in events if e.choices and e.choices[0].logprobs
+                for c in e.choices[0].logprobs.content]
+    assert sum(1 for e in events if e.choices and e.choices[0].logprobs) > 1
+    assert [c.token for c in streamed] == [c.token for c in content]
+    np.testing.assert_allclose([c.logprob for c in streamed], [c.logprob for c in content],
+                               atol=1e-5)
+    code, got = request(base, "POST", "/v1/completions", {
+        "model": "nld-tiny", "prompt": "x", "stream": True, "echo": True})
+    assert code == 400 and got["error"]["param"] == "echo"
     code, got = request(base, "POST", "/v1/completions",
                         {"model": "nld-tiny", "prompt": "x", "max_tokens": 0})
     assert code == 400 and got["error"]["param"] == "max_tokens"
@@ -393,3 +430,37 @@ def test_memory_stays_flat_over_hundreds_of_varied_requests(client):
         list(pool.map(ask, range(60, 360)))
     # 300 requests of varied options: no program compiled, nothing kept per request.
     assert _maps() - maps < 30 and _rss_mb() - rss < 40, (_maps() - maps, _rss_mb() - rss)
+
+
+@pytest.mark.parametrize("schedule", ["packed", "native"])
+def test_setdlm_serves_greedy_and_sampled_requests_in_one_state(schedule):
+    """SetDLM's slots run its sampled program (greedy requests at temperature 0); its
+    native decoder decodes greedily only, so there the slots run the greedy program and
+    a sampled request is a 400 naming the temperature."""
+    model = ps.load("setdlm-tiny")
+    app = create_app(model, "setdlm-tiny", schedule=schedule, max_model_len=48, slots=2)
+    asks = [dict(temperature=0), dict(temperature=1.0, seed=5),
+            dict(temperature=0.8, top_p=0.7, seed=6)]
+    prompt = "Question: Ava has 4 apples. She gets 3 more. How many?\nAnswer:"
+    with in_process(app) as url:
+        assert app.app.state.decoder.sampled == (schedule != "native")
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=120)
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(lambda a: _answer(client, prompt, a), asks))
+    for asked, (code, ids) in zip(asks, got):
+        if schedule == "native" and asked["temperature"] > 0:
+            assert code == 400 and "temperature" in ids, ids
+            continue
+        want = ps.decode(model, prompt, schedule=schedule, max_new_tokens=8,
+                         seed=asked.get("seed", 0),
+                         **{k: v for k, v in asked.items() if k != "seed"})
+        assert (code, ids) == (200, want.tokens), asked
+
+
+def _answer(client, prompt: str, asked: dict):
+    try:
+        r = client.completions.create(model="setdlm-tiny", prompt=prompt, max_tokens=8,
+                                      **asked)
+    except openai.BadRequestError as e:
+        return 400, e.message
+    return 200, r.model_extra["packed_ss"]["token_ids"]

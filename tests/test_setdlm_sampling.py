@@ -16,6 +16,7 @@ import pytest
 
 import packed_ss_jax as ps
 from packed_ss_jax import Model, ModelConfig, sampling
+from packed_ss_jax.options import on_sampled_program
 from packed_ss_jax.sampling import Sampler
 from setdlm_reference import serial_ltr
 from test_sampling import ALPHA, chi_square, np_target, sample_many, tv_shift_rejections
@@ -135,6 +136,18 @@ def test_temperature_zero_is_greedy(schedule):
         r = ps.decode(MODEL, PROMPT, schedule=schedule, window=W, max_new_tokens=6,
                       eos_id=None, temperature=0.0, cache_size=16, **kw)
         assert r.tokens == want
+
+
+@pytest.mark.parametrize("schedule", ["serial", "linear", "quadratic", "packed"])
+def test_the_sampled_program_at_temperature_zero_is_greedy(schedule):
+    """A greedy request on the sampled program (the server's slots: temperature 0 as
+    data) gives the serial reference's tokens."""
+    engine = ps.Engine.of(MODEL)
+    request = engine.request(PROMPT, ps.DecodeOptions(
+        schedule=schedule, window=W, max_new_tokens=6, eos_id=None, cache_size=16), seed=9)
+    shared = on_sampled_program(request)
+    assert not shared.program.sampling.greedy
+    assert engine.decode(shared).tokens == serial_ltr(MODEL, PROMPT, 6, [])
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -167,8 +167,8 @@ def test_numpy_arguments_prepare_the_same_request(family):
     p = b.program
     assert all(type(v) is int for v in (p.width, p.bucket, p.capacity, b.seed, b.max_new))
     s = p.sampling
-    assert s == Sampling(greedy=False, top_k=3, nucleus=True)
-    assert (type(s.greedy), type(s.top_k), type(s.nucleus)) == (bool, int, bool)
+    assert s == Sampling(greedy=False, top_k=3)
+    assert (type(s.greedy), type(s.top_k)) == (bool, int)
     np.testing.assert_array_equal(a.prompt, b.prompt)
     assert a.limits.keys() == b.limits.keys()
     for name in a.limits:

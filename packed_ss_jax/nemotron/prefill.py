@@ -6,7 +6,9 @@ gives the first token (1 NFE).
 the prompt, so one call also yields a full draft of B-1 tokens for positions
 n+1..n+B-1 (the proposal for position n is dropped: the verifier fills it). When
 sampling, the first token is drawn first and a second call `[x, MASK^(B-1)]` drafts
-from the prompt and that token (2 NFE), so every draft carries its Q.
+from the prompt and that token (2 NFE), so every draft carries its Q. A sampled
+program's greedy request (temperature 0, `Sampler.argmax`) starts as the greedy program
+does, in one call.
 """
 
 from __future__ import annotations
@@ -46,10 +48,23 @@ def prefill(m: ForwardModel, params, prompt, n, *, B: int, capacity: int, max_ne
 
 def first_call(m: ForwardModel, params, prompt, n, *, B: int, capacity: int, max_new, stop_tok,
                stop_len, sampler: Sampler, key) -> State:
-    if not sampler.greedy:
-        s = prefill(m, params, prompt, n, B=B, capacity=capacity, max_new=max_new,
-                    stop_tok=stop_tok, stop_len=stop_len, sampler=sampler, key=key)
+    kw = dict(B=B, capacity=capacity, max_new=max_new, stop_tok=stop_tok, stop_len=stop_len)
+    if sampler.greedy:
+        return _greedy_first_call(m, params, prompt, n, **kw)
+
+    def sampled():
+        s = prefill(m, params, prompt, n, sampler=sampler, key=key, **kw)
         return jax.lax.cond(s.done, lambda s: s, lambda s: _draft_after_first(m, params, s, B, sampler), s)
+
+    def greedy():  # the sampled state's fields, unused by greedy steps
+        s = _greedy_first_call(m, params, prompt, n, **kw)
+        return s.replace(key=key, draft_q=empty_q(sampler, B - 1, m.vocab_size), sampler=sampler)
+
+    return jax.lax.cond(sampler.argmax, greedy, sampled)
+
+
+def _greedy_first_call(m: ForwardModel, params, prompt, n, *, B: int, capacity: int, max_new,
+                       stop_tok, stop_len) -> State:
     P = prompt.shape[0]
     call = layouts.first_call(prompt, n, B, m.mask_id)
     rows = jnp.concatenate([(n - 1)[None], P + 1 + jnp.arange(B - 1)])

@@ -41,5 +41,9 @@ def build(m, program) -> Loop:
         return dict(tokens=s.out, n_tokens=s.n_tokens, nfe=s.nfe, iterations=s.iterations,
                     accept_hist=s.accept_hist, nonfinite_at=s.nonfinite_at, stopped=s.stopped)
 
+    def batch_step(params, s, plan):
+        return step(m, params, s, B=B, sampler=s.sampler.replace(plan=plan))
+
     return Loop(init=init, step=lambda params, s: step(m, params, s, B=B, sampler=sampler_of(s)),
-                outcome=outcome, progress=lambda s: (s.out, s.n_tokens, s.done))
+                outcome=outcome, progress=lambda s: (s.out, s.n_tokens, s.done),
+                batch_step=None if sampling.greedy else batch_step)

@@ -92,29 +92,49 @@ def stop_nonfinite(s: State, bad, position=None) -> State:
 
 def choose_first(logits, sampler: Sampler, key):
     """The token after the prompt: argmax, or a draw from the target."""
+    greedy = verifier_tokens(logits)
     if sampler.greedy:
-        return verifier_tokens(logits)
-    return sampling.sample_from(key, sampling.target(logits, sampler))
+        return greedy
+
+    def sampled():
+        drawn = sampling.sample_from(key, sampling.target(logits, sampler))
+        return jnp.where(sampler.argmax, greedy, drawn)
+
+    return sampling.greedy_or_sampled(sampler, lambda: greedy, sampled)
 
 
 def verify_draft(v_logits, draft, draft_len, q, sampler: Sampler, key):
     """h and the accepted tokens C (C[:h] = accepted drafts, C[h] = correction or bonus).
 
-    v_logits[i] is the verifier row predicting the position of draft[i]. Greedy:
-    exact match against the argmax (Eq. 2). Sampling: Algorithm 2 against the stored Q.
+    v_logits[i] is the verifier row predicting the position of draft[i]. Greedy (the
+    greedy program, or a sampled one at temperature 0): exact match against the argmax
+    (Eq. 2). Sampling: Algorithm 2 against the stored Q.
     """
+    v = verifier_tokens(v_logits)
+    h = matched_prefix(draft, draft_len, v)
     if sampler.greedy:
-        v = verifier_tokens(v_logits)
-        return matched_prefix(draft, draft_len, v), v
-    return sampling.verify(key, sampling.target(v_logits, sampler), draft, draft_len, q)
+        return h, v
+
+    def sampled():
+        h_s, C = sampling.verify(key, sampling.target(v_logits, sampler), draft, draft_len, q)
+        return jnp.where(sampler.argmax, h, h_s), jnp.where(sampler.argmax, v, C)
+
+    return sampling.greedy_or_sampled(sampler, lambda: (h, v), sampled)
 
 
 def propose(logits, sampler: Sampler, mask_id: int, key):
     """Draft tokens from drafter rows, with their Q when sampling (None when greedy)."""
+    greedy = drafter_tokens(logits, mask_id)
     if sampler.greedy:
-        return drafter_tokens(logits, mask_id), None
-    q = sampling.proposal(logits, sampler, mask_id)
-    return q.sample(key), q
+        return greedy, None
+
+    def sampled():
+        q = sampling.proposal(logits, sampler, mask_id)
+        return jnp.where(sampler.argmax, greedy, q.sample(key)), q
+
+    # Greedy rows never read the Q stored with their drafts: none is computed for them.
+    return sampling.greedy_or_sampled(sampler, lambda: (greedy, StoredQ.empty_of(
+        logits.shape[:-1], sampler, logits.shape[-1])), sampled)
 
 
 def empty_q(sampler: Sampler, width: int, vocab: int):

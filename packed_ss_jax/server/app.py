@@ -195,7 +195,7 @@ class Service:
         self._check_queue()
         score = options.pop("score")
         choices = await self.preparer(options, max_tokens_field)
-        job = Job(choices, asyncio.get_running_loop(), score)
+        job = Job(choices, asyncio.get_running_loop(), score, streaming)
         self.decoder.submit(job)
         if streaming:  # a client leaving ends the response's iteration (`_events`)
             return StreamingResponse(self._events(job, form), media_type="text/event-stream")
@@ -224,6 +224,7 @@ class Service:
     async def _events(self, job: Job, form):
         pieces = [formats.Pieces() for _ in job.choices]
         results = [None] * len(job.choices)
+        sent = [0] * len(job.choices)   # each choice's tokens streamed so far
         try:
             for event in form.opening(len(job.choices)):
                 yield formats.sse(event)
@@ -231,9 +232,14 @@ class Service:
                 if isinstance(item, Exception):
                     yield formats.sse(self.error_json(errors.failure(item)))
                     break
-                index, chunk, _ = item   # a stream asks for no scores (formats)
+                index, chunk, scored = item   # scores: prompt and output so far
                 results[index] = chunk.result or results[index]
-                yield formats.sse(form.event(index, pieces[index](chunk), chunk.result))
+                offset = pieces[index].sent
+                event = form.event(index, pieces[index](chunk), chunk.result, scored,
+                                   len(job.choices[index].prompt) + sent[index], chunk.tokens,
+                                   offset)
+                sent[index] += len(chunk.tokens)
+                yield formats.sse(event)
             else:
                 for event in form.closing(results, job.prompt_tokens):
                     yield formats.sse(event)

@@ -1,24 +1,25 @@
 """Continuous batching: every request decoded in a slot of a batched decode state, beside
 the requests already running, by the one thread that makes JAX calls.
 
-The server decodes with one schedule, width and cache capacity (`--max-model-len`), so a
-request's program differs from another's only in its prompt bucket and its kind of
-sampling: greedy, sampled, or sampled with top-p (their decode states differ: a sampled
-one carries the drafts' proposal distributions, top-p stores them truncated). For each
-kind there is one decode state of `slots` sequences (`Engine.slots`); everything else a
-request asks for (temperature, top-p, seed, stops, max tokens) is data of its slot. Every
-program the server can run (each kind's first call at every prompt bucket, and its
-insert, generate, halt and outcome, and the scoring forward of logprobs and echo at
-every length bucket) is compiled, or read from the persistent compilation cache, by
-`warm` before the server takes requests: no request compiles.
+The server decodes with one schedule, width and cache capacity (`--max-model-len`), and
+every request on the schedule's sampled program (`options.on_sampled_program`: a greedy
+request is one at temperature 0, decoded as data), so requests differ only in their
+prompt bucket and in data. There is one decode state of `slots` sequences
+(`Engine.slots`); everything a request asks for (temperature, top-p, seed, stops, max
+tokens) is data of its slot, and every running slot advances in the same call. (A
+schedule or order that decodes greedily only, SetDLM's native decoder or its confidence
+order, serves on its greedy program; sampled requests are refused there.) Every program
+the server can run (the first call at every prompt bucket, and insert, generate, halt
+and outcome, and the scoring forward of logprobs and echo at every length bucket) is
+compiled, or read from the persistent compilation cache, by `warm` before the server
+takes requests: no request compiles.
 
 The loop, on the decoder thread:
 
-- admit: each waiting request whose kind has a free slot gets its first call
+- admit: each waiting request, while a slot is free, gets its first call
   (`Engine.prefill`) written into that slot (`Engine.insert`);
-- launch: every state with a running slot runs at most `steps` loop iterations
-  (`Engine.dispatch`, all states dispatched before any is read back), and the ids each
-  slot made final go to its request's `Chunker` and on to the client;
+- launch: the state runs at most `steps` loop iterations (`Engine.dispatch`), and the
+  ids each slot made final go to its request's `Chunker` and on to the client;
 - a slot whose sequence stopped in the loop (EOS, a stop marker, its length), whose
   output reached a stop text, or whose client went away is stopped (`Engine.halt`), read
   out (`Engine.outcome`) and freed for the next admit.
@@ -44,27 +45,29 @@ import numpy as np
 from .. import memory, scoring
 from ..chunks import Chunker, StreamChunk
 from ..engine import Engine, keep_at_least, to_host
-from ..options import DecodeOptions, Program, Request, bucket_for
+from ..validate import InputError
+from ..options import DecodeOptions, Program, Request, bucket_for, on_sampled_program
 from ..results import DecodeResult, check_finite, of_outcome
 from .errors import draining
 from .metrics import Metrics
 
 DEFAULT_SLOTS = 8     # --max-num-seqs
 DEFAULT_STEPS = 4     # --steps-per-launch: loop iterations between the host's looks
-# The kinds of sampling, each its own decode state: greedy, sampled, sampled with top-p.
-_KINDS = (dict(temperature=0.0), dict(temperature=1.0), dict(temperature=1.0, top_p=0.5))
-# One program of each kind per prompt bucket, plus these five per kind.
-_PER_KIND = ("empty", "insert", "generate", "halt", "outcome")
+# One program per prompt bucket, plus these five.
+_PER_STATE = ("empty", "insert", "generate", "halt", "outcome")
 
 
 class Job:
     """One request (its `n` choices, each a checked request with its own seed) on its way
     through the decoder thread. Items come back through an asyncio queue on the event
     loop: (choice, StreamChunk, Scores or None) triples, an exception (re-raised there),
-    None at the end. `score` (formats.Score): what to score once a choice has ended."""
+    None at the end. `score` (formats.Score): what to score, once a choice has ended, or
+    with every chunk when `streamed` (then each chunk's Scores cover the prompt and the
+    output up to the chunk's end)."""
 
-    def __init__(self, choices: list[Request], loop: asyncio.AbstractEventLoop, score=None):
-        self.choices, self.loop, self.score = choices, loop, score
+    def __init__(self, choices: list[Request], loop: asyncio.AbstractEventLoop, score=None,
+                 streamed: bool = False):
+        self.choices, self.loop, self.score, self.streamed = choices, loop, score, streamed
         self.out: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.finished = False   # the decoder's last item is in `out`
@@ -103,7 +106,7 @@ class _Seat:
 
 
 class _Pool:
-    """The slots of one kind: its decode state and which seat each slot holds."""
+    """The slots: their decode state and which seat each slot holds."""
 
     def __init__(self, engine: Engine, program: Program, slots: int):
         self.program = program
@@ -126,7 +129,8 @@ class Batcher:
         self.engine = Engine.of(model)
         self.defaults, self.slots, self.steps = defaults, slots, steps
         self.capacity = defaults["cache_size"]
-        self.pools: dict[Program, _Pool] = {}
+        self.program, self.sampled = self._slot_program()
+        self.pool: _Pool | None = None   # made by `warm`
         self.jobs: queue.Queue = queue.Queue()
         self.waiting: collections.deque = collections.deque()   # (job, choice) to admit
         self.live: set[Job] = set()   # submitted and not yet ended
@@ -136,19 +140,26 @@ class Batcher:
         self.cancelled = 0   # requests whose client left before the decode finished
         self.warm_s = 0.0
         self.programs = 0
-        self.metrics = Metrics(lambda: self.queued, lambda: self.busy_slots,
-                               slots * len(_KINDS))
+        self.metrics = Metrics(lambda: self.queued, lambda: self.busy_slots, slots)
 
     # --- startup -----------------------------------------------------------------------
 
-    def kinds(self) -> list[tuple[Program, DecodeOptions]]:
-        """The slot program (bucket 0) of each kind of sampling served, and options of it."""
-        found = []
-        for sampling in _KINDS:
-            options = DecodeOptions(**self.defaults, max_new_tokens=1, **sampling)
-            program = self.engine.request([1], options).program
-            found.append((dataclasses.replace(program, bucket=0), options))
-        return found
+    def _slot_program(self) -> tuple[Program, bool]:
+        """The slots' program (bucket 0), and whether it samples: the schedule's sampled
+        program, or its greedy one where it decodes greedily only."""
+        try:
+            request = self.engine.request([1], self._options(temperature=1.0))
+        except InputError:   # SetDLM's native decoder, or its confidence order
+            request = self.engine.request([1], self._options())
+            return dataclasses.replace(request.program, bucket=0), False
+        return dataclasses.replace(on_sampled_program(request).program, bucket=0), True
+
+    def _options(self, **sampling) -> DecodeOptions:
+        return DecodeOptions(**self.defaults, max_new_tokens=1, **sampling)
+
+    def seated(self, request: Request) -> Request:
+        """`request` on the slots' program."""
+        return on_sampled_program(request) if self.sampled else request
 
     def buckets(self) -> list[int]:
         """Every prompt bucket a request that fits the capacity can have."""
@@ -161,28 +172,26 @@ class Batcher:
 
     def warm(self) -> None:
         """Compiles (or reads from the persistent cache) every program a request can need,
-        by running each once: every kind's first call at every bucket, inserted into its
-        state, launched, halted and read out, and the scoring forward at every length
-        bucket. Refuses, before allocating, states that cannot fit in memory."""
-        kinds, buckets = self.kinds(), self.buckets()
+        by running each once: the first call at every bucket, inserted into the state,
+        launched, halted and read out, and the scoring forward at every length bucket.
+        Refuses, before allocating, a state that cannot fit in memory."""
+        buckets, program = self.buckets(), self.program
         scored = sorted({min(b, self.capacity) for b in buckets} | {self.capacity})
-        self.programs = len(kinds) * (len(buckets) + len(_PER_KIND)) + len(scored)
+        self.programs = len(buckets) + len(_PER_STATE) + len(scored)
         keep_at_least(self.programs + 8)
         e = self.engine
-        memory.check(e.model, dataclasses.replace(kinds[-1][0], bucket=buckets[-1]),
-                     self.capacity, self.slots * len(kinds),
-                     "a smaller --max-model-len or --max-num-seqs")
+        memory.check(e.model, dataclasses.replace(program, bucket=buckets[-1]), self.capacity,
+                     self.slots, "a smaller --max-model-len or --max-num-seqs")
         t0 = time.perf_counter()
         for n in scored:   # logprobs and echo: prompt and output scored (scoring.py)
             scoring.score(e, [1] * n)
-        for program, options in kinds:
-            pool = self.pools[program] = _Pool(e, program, self.slots)
-            for b in buckets:
-                request = e.request([1] * min(b, self.capacity - 1), options)
-                pool.state = e.insert(e.prefill(request), pool.state, 0)
-            pool.state, _ = e.generate(pool.state, self.steps, program)
-            pool.state = e.halt(pool.state, 0, program)
-            e.outcome(pool.state, program)
+        pool = self.pool = _Pool(e, program, self.slots)
+        for b in buckets:
+            request = e.request([1] * min(b, self.capacity - 1), self._options())
+            pool.state = e.insert(e.prefill(self.seated(request)), pool.state, 0)
+        pool.state, _ = e.generate(pool.state, self.steps, program)
+        pool.state = e.halt(pool.state, 0, program)
+        e.outcome(pool.state, program)
         self.warm_s = time.perf_counter() - t0
 
     # --- the event loop's side ---------------------------------------------------------
@@ -211,7 +220,7 @@ class Batcher:
 
     @property
     def busy_slots(self) -> int:
-        return sum(p.busy for p in self.pools.values())
+        return 0 if self.pool is None else self.pool.busy
 
     @property
     def queued(self) -> int:
@@ -245,18 +254,16 @@ class Batcher:
                 return True
 
     def _admit(self) -> None:
-        """Every waiting choice whose kind has a free slot starts there (in order; one
-        whose kind is full waits, the others go past it)."""
+        """Waiting choices start in free slots, in order of arrival."""
         still = collections.deque()
         for job, i in self.waiting:
             if job.cancelled.is_set():
                 self._drop(job)
                 continue
-            request = job.choices[i]
             if job.score is not None and job.score.only:
                 self._score_only(job, i)
                 continue
-            pool = self.pools[dataclasses.replace(request.program, bucket=0)]
+            pool, request = self.pool, self.seated(job.choices[i])
             slot = pool.free()
             if slot is None:
                 still.append((job, i))
@@ -293,12 +300,10 @@ class Batcher:
             self.metrics.ended("cancelled")
 
     def _launch(self) -> None:
-        running = [p for p in self.pools.values() if p.busy]
-        flights = [(p, self.engine.dispatch(p.state, self.steps, p.program)) for p in running]
-        for pool, (state, progress) in flights:
-            pool.state = state
-            tokens, final, done, _ = to_host(progress)  # why it stopped: in the outcome
-            self._hand_out(pool, tokens, final, done)
+        pool = self.pool
+        pool.state, progress = self.engine.dispatch(pool.state, self.steps, pool.program)
+        tokens, final, done, _ = to_host(progress)  # why it stopped: in the outcome
+        self._hand_out(pool, tokens, final, done)
 
     def _hand_out(self, pool: _Pool, tokens, final, done) -> None:
         """Each seat's newly final ids to its client; seats that are done are freed."""
@@ -313,7 +318,7 @@ class Batcher:
             if seat.job.cancelled.is_set() or seat.chunker.ended or done[slot]:
                 ending.append((slot, bool(done[slot])))
             elif chunk is not None:
-                self._put(seat, chunk)
+                self._put(seat, chunk, self._streamed_scores(seat, tokens[slot][:count]))
         if ending:
             self._finish(pool, ending)
 
@@ -346,6 +351,15 @@ class Batcher:
                                   time.perf_counter() - seat.job.submitted)
             self._close(seat, None)
 
+    def _streamed_scores(self, seat: _Seat, output):
+        """A streamed chunk's scores, when its request asked for them: the prompt and the
+        output so far, scored (one forward per chunk)."""
+        job = seat.job
+        if job.score is None or not job.streamed:
+            return None
+        return scoring.score(self.engine, list(seat.request.prompt) + list(output),
+                             job.score.top)
+
     def _put(self, seat: _Seat, chunk, scores=None) -> None:
         job = seat.job
         if job.first_token_s is None and chunk.tokens:
@@ -375,10 +389,8 @@ class Batcher:
 
     def _fail_all(self, error: Exception) -> None:
         """An error no single request caused: every seated request ends with it and its
-        slot is freed (the states are rebuilt, since a failed launch may have consumed
-        them)."""
-        for program, pool in self.pools.items():
-            for seat in pool.seats:
-                if seat is not None:
-                    self._close(seat, error)
-            self.pools[program] = _Pool(self.engine, program, self.slots)
+        slot is freed (the state is rebuilt, since a failed launch may have consumed it)."""
+        for seat in self.pool.seats:
+            if seat is not None:
+                self._close(seat, error)
+        self.pool = _Pool(self.engine, self.program, self.slots)

@@ -175,7 +175,9 @@ def completion_options(body: CompletionBody) -> tuple[dict, str]:
     score = None
     if body.logprobs is not None or body.echo:
         score = Score(body.logprobs or 0, body.echo, max_tokens == 0)
-        _no_stream(body, "logprobs" if body.logprobs is not None else "echo")
+        if body.echo and body.stream:
+            raise APIError(400, "echo is not supported with stream: true on this server "
+                                "(ask without streaming)", param="echo")
     options = _options(body, max(max_tokens, 1))
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -184,12 +186,6 @@ def completion_options(body: CompletionBody) -> tuple[dict, str]:
                                 f"{MAX_CHOICES} choices one request may have", param="prompt")
         return {**options, "prompts": prompt, "score": score}, "max_tokens"
     return {**options, "prompt": prompt, "score": score}, "max_tokens"
-
-
-def _no_stream(body: Body, field: str) -> None:
-    if body.stream:
-        raise APIError(400, f"{field} is not supported with stream: true on this server "
-                            "(ask without streaming)", param=field)
 
 
 def chat_options(body: ChatBody) -> tuple[dict, str]:
@@ -203,7 +199,6 @@ def chat_options(body: ChatBody) -> tuple[dict, str]:
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if body.logprobs:
-        _no_stream(body, "logprobs")
         options["score"] = Score(body.top_logprobs or 0)
     options["messages"] = [_joined(m.model_dump(exclude_none=True)) for m in body.messages]
     for i, m in enumerate(options["messages"]):
@@ -277,9 +272,16 @@ class _Form:
     def opening(self, n: int) -> list[dict]:
         return []
 
-    def event(self, index: int, piece: str, result) -> dict:
+    def event(self, index: int, piece: str, result, scored=None, at: int = 0,
+              tokens=(), offset: int = 0) -> dict:
+        """A stream's event of choice `index`: its text `piece`; with a score asked for,
+        the log-probabilities of the chunk's `tokens`, which start at position `at` of
+        `scored` and character `offset` of the choice's text."""
         choice = {"index": index, **self._piece(piece),
                   "finish_reason": result.finish_reason if result else None}
+        if self.score is not None:
+            choice["logprobs"] = (self._chunk_logprobs(tokens, scored, at, offset)
+                                  if tokens else None)
         return {**self.head, "choices": [choice], **_stats(result)}
 
     def closing(self, results: list, prompt_len: int) -> list[dict]:
@@ -321,15 +323,20 @@ class Completion(_Form):
         log-probabilities (None for the first token, which nothing predicts), the most
         likely tokens at each position and each token's offset in the text."""
         start = 0 if self.score.echo else len(prompt)
-        ids = (list(prompt) + list(result.tokens))[start:]
+        return self._chunk_logprobs((list(prompt) + list(result.tokens))[start:], scored, start)
+
+    def _chunk_logprobs(self, ids, scored, at: int, offset: int = 0) -> dict:
+        """The completion logprobs of `ids`, which start at position `at` of `scored` and
+        character `offset` of the text."""
         tokens = [self.decode([int(i)]) for i in ids]
-        offsets, at = [], 0
+        offsets = []
         for t in tokens:
-            offsets.append(at)
-            at += len(t)
-        logp = [None if math.isnan(v) else float(v) for v in scored.logp[start:]]
+            offsets.append(offset)
+            offset += len(t)
+        end = at + len(ids)
+        logp = [None if math.isnan(v) else float(v) for v in scored.logp[at:end]]
         top = [None if lp is None else dict(self._top(i, v)) for lp, i, v in
-               zip(logp, scored.top_ids[start:], scored.top_logp[start:])]
+               zip(logp, scored.top_ids[at:end], scored.top_logp[at:end])]
         return {"tokens": tokens, "token_logprobs": logp, "top_logprobs": top,
                 "text_offset": offsets}
 
@@ -351,13 +358,17 @@ class Chat(_Form):
     def _whole(self, result, scored, prompt) -> dict:
         out = {"message": {"role": "assistant", "content": visible(result)}}
         if self.score is not None:
-            n = len(prompt)
-            out["logprobs"] = {"content": [
-                {**_entry(self.decode([int(t)]), float(lp)),
-                 "top_logprobs": [_entry(*x) for x in self._top(ids, logps)]}
-                for t, lp, ids, logps in zip(result.tokens, scored.logp[n:],
-                                             scored.top_ids[n:], scored.top_logp[n:])]}
+            out["logprobs"] = self._chunk_logprobs(result.tokens, scored, len(prompt))
         return out
+
+    def _chunk_logprobs(self, ids, scored, at: int, offset: int = 0) -> dict:
+        """The chat logprobs of `ids`, which start at position `at` of `scored`."""
+        end = at + len(ids)
+        return {"content": [
+            {**_entry(self.decode([int(t)]), float(lp)),
+             "top_logprobs": [_entry(*x) for x in self._top(top_ids, top_logp)]}
+            for t, lp, top_ids, top_logp in zip(ids, scored.logp[at:end],
+                                                scored.top_ids[at:end], scored.top_logp[at:end])]}
 
 
 def _entry(token: str, logprob: float) -> dict:

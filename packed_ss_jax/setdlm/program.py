@@ -73,6 +73,11 @@ def build(m, program) -> Loop:
         # tokens are not all in the prefix), so E never shrinks below it.
         return s.tok, jnp.minimum(leading_true(s.res), s.E), s.done
 
+    def batch_step(params, s, plan):
+        return step(m, params, s, W=program.width, order=program.order,
+                    sampler=s.sampler.replace(plan=plan))
+
     return Loop(init=init, outcome=outcome, progress=progress,
                 step=lambda params, s: step(m, params, s, W=program.width, order=program.order,
-                                            sampler=sampler_of(s)))
+                                            sampler=sampler_of(s)),
+                batch_step=None if program.sampling.greedy else batch_step)

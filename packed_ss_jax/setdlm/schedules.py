@@ -57,31 +57,44 @@ def target(logits, sampler: Sampler, mask_id: int):
 def _propose(logits, sampler: Sampler, mask_id: int, key):
     """Draft tokens, the probability each carries (its confidence score: the argmax's
     probability, or Q(d)), and Q (None when greedy)."""
+    z, prob = predict(logits, mask_id)
     if sampler.greedy:
-        z, prob = predict(logits, mask_id)
         return z, prob, None
-    q = sampling.proposal(logits, sampler, mask_id)
-    z = q.sample(key)
-    return z, jnp.exp(q.of(z)), q
+
+    def sampled():
+        q = sampling.proposal(logits, sampler, mask_id)
+        drawn = q.sample(key)
+        return (jnp.where(sampler.argmax, z, drawn),
+                jnp.where(sampler.argmax, prob, jnp.exp(q.of(drawn))), q)
+
+    # Greedy rows never read the Q stored with their drafts: none is computed for them.
+    return sampling.greedy_or_sampled(sampler, lambda: (z, prob, StoredQ.empty_of(
+        logits.shape[:-1], sampler, logits.shape[-1])), sampled)
 
 
 def _stored_q(s: State, w) -> StoredQ:
     """The stored Q of each rank of window `w`, looked up by output index."""
     row = jnp.argmax(s.q_out[None, :] == w.out[:, None], axis=1)
-    return StoredQ(s.q.logp[row], None if s.q.ids is None else s.q.ids[row])
+    return StoredQ(s.q.logp[row], s.q.ids[row])
 
 
 def _verify(m, logits, drafts, draft_len, q: StoredQ | None, w, sampler: Sampler, key):
     """h and v: the drafts accepted in rank order and, per rank, the verifier's token
     (v[h] is the correction, or the next rank's token when all were accepted).
     Greedy: drafts equal to the argmax (Eq. 2). Sampling: Algorithm 2 against `q`."""
+    v, _ = predict(logits, m.mask_id)
+    h = matches(w, drafts, v)
     if sampler.greedy:
-        v, _ = predict(logits, m.mask_id)
-        return matches(w, drafts, v), v
-    logp = target(logits, sampler, m.mask_id)
-    padded = jnp.concatenate([logp, logp[-1:]])  # rank W has no query: never used
-    h, C = sampling.verify(key, padded, drafts, draft_len, q)
-    return h, C[: drafts.shape[0]]
+        return h, v
+
+    def sampled():
+        logp = target(logits, sampler, m.mask_id)
+        padded = jnp.concatenate([logp, logp[-1:]])  # rank W has no query: never used
+        h_s, C = sampling.verify(key, padded, drafts, draft_len, q)
+        return (jnp.where(sampler.argmax, h, h_s),
+                jnp.where(sampler.argmax, v, C[: drafts.shape[0]]))
+
+    return sampling.greedy_or_sampled(sampler, lambda: (h, v), sampled)
 
 
 def _verified(s: State, w, v, h, kv, pend_n, A):
@@ -195,10 +208,15 @@ def serial(m, params, s: State, *, W: int, order: str, sampler: Sampler) -> Stat
     pend_n = s.pend_n
     logits, kv = forward_visible(m, params, layouts.serial(s.n, *_pending(s), w, m.mask_id), s,
                                  jnp.ones(1, jnp.int32))
-    if sampler.greedy:
-        v, _ = predict(logits, m.mask_id)
-    else:
-        v = sampling.sample_from(k, target(logits[0], sampler, m.mask_id))[None]
+    v, _ = predict(logits, m.mask_id)
+    if not sampler.greedy:
+        greedy = v
+
+        def sampled():
+            drawn = sampling.sample_from(k, target(logits[0], sampler, m.mask_id))[None]
+            return jnp.where(sampler.argmax, greedy, drawn)
+
+        v = sampling.greedy_or_sampled(sampler, lambda: greedy, sampled)
     s = commit(s, kv, jnp.zeros(1, jnp.int32), s.pend_out[:1], pend_n, after=v)
     take = first_ranks(w, 1)
     s = accept(s, w, v, take)
