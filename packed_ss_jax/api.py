@@ -105,6 +105,7 @@ def decode(model, prompt: str | Sequence[int] | None = None, *,
            messages: Sequence[Mapping] | None = None,
            chat_template_kwargs: Mapping | None = None, config: ModelConfig | None = None,
            schedule: str = "packed", block_size: int | None = None, window: int | None = None,
+           branches: int | None = None,
            max_new_tokens: int = 128, eos_id: int | None = -1, temperature: float = 0.0,
            top_k: int | None = None, top_p: float | None = None, seed: int = 0,
            cache_size: int | None = None, order: str = "ltr",
@@ -120,8 +121,12 @@ def decode(model, prompt: str | Sequence[int] | None = None, *,
                 rendered with the checkpoint's chat template and the generation prompt;
                 `chat_template_kwargs` go to the template (e.g. {"enable_thinking": False}).
     model:      a `Model` (from `load`), or a params tree with `config=` its ModelConfig.
-    schedule:   Nemotron "ar", "linear", "quadratic", "packed"; SetDLM "serial", "native",
-                "linear", "quadratic", "packed" (see `families.FAMILIES`).
+    schedule:   Nemotron "ar", "linear", "quadratic", "packed", "branched"; SetDLM
+                "serial", "native", "linear", "quadratic", "packed" (see
+                `families.FAMILIES`).
+    branches:   "branched": k, 1 <= k <= B, branches pre-drafted per call (the
+                zero-accepted one and k - 1 for the most accepted outcomes; default 2;
+                1 is Packed-SS).
     block_size: Nemotron: B >= 2 (W = B - 1 drafts per iteration); default the config's.
     window:     SetDLM: W >= 1, the active window; default the checkpoint's.
     temperature 0 is greedy (the speculative schedules return exactly the reference's
@@ -140,7 +145,7 @@ def decode(model, prompt: str | Sequence[int] | None = None, *,
                 part of the compiled shape, so keep it fixed across calls.
     """
     options = DecodeOptions(schedule, block_size, window, order, temperature, top_k, top_p,
-                            max_new_tokens, eos_id, stop_sequences, cache_size)
+                            max_new_tokens, eos_id, stop_sequences, cache_size, branches)
     if messages is None and is_batch(prompt):
         engine = Engine.of(as_model(model, config))
         return engine.decode_batch(engine.batch(prompt, options, seed))
@@ -152,6 +157,7 @@ def decode(model, prompt: str | Sequence[int] | None = None, *,
 def decode_continuous(model, prompts: Sequence, *, slots: int = 8, every: int = 64,
                       config: ModelConfig | None = None, schedule: str = "packed",
                       block_size: int | None = None, window: int | None = None,
+                      branches: int | None = None,
                       max_new_tokens: int = 128, eos_id: int | None = -1,
                       temperature: float = 0.0, top_k: int | None = None,
                       top_p: float | None = None, seed=0, cache_size: int | None = None,
@@ -172,7 +178,7 @@ def decode_continuous(model, prompts: Sequence, *, slots: int = 8, every: int = 
     every = validate.integer(every, "every", 1, validate.INT32_MAX,
                              "the loop counts iterations in int32")
     options = DecodeOptions(schedule, block_size, window, order, temperature, top_k, top_p,
-                            max_new_tokens, eos_id, stop_sequences, cache_size)
+                            max_new_tokens, eos_id, stop_sequences, cache_size, branches)
     engine = Engine.of(as_model(model, config))
     batch = engine.batch(prompts, options, seed, sequences=slots)
     # A slot past the prompts would never hold one (and would cost its cache); no
@@ -186,6 +192,7 @@ def stream(model, prompt: str | Sequence[int] | None = None, *,
            messages: Sequence[Mapping] | None = None,
            chat_template_kwargs: Mapping | None = None, config: ModelConfig | None = None,
            schedule: str = "packed", block_size: int | None = None, window: int | None = None,
+           branches: int | None = None,
            max_new_tokens: int = 128, eos_id: int | None = -1, temperature: float = 0.0,
            top_k: int | None = None, top_p: float | None = None, seed: int = 0,
            cache_size: int | None = None, order: str = "ltr", stop_sequences: Sequence = (),
@@ -201,7 +208,7 @@ def stream(model, prompt: str | Sequence[int] | None = None, *,
     iteration early stops the decoding.
     """
     options = DecodeOptions(schedule, block_size, window, order, temperature, top_k, top_p,
-                            max_new_tokens, eos_id, stop_sequences, cache_size)
+                            max_new_tokens, eos_id, stop_sequences, cache_size, branches)
     engine, request = _request(model, config, prompt, messages, chat_template_kwargs, seed,
                                options)
     return stream_request(engine.model, request, chunk)
@@ -225,7 +232,8 @@ def _chunks(model, decoding: Streaming, stop_texts) -> Iterator[StreamChunk]:
 
 
 def decoder(model_or_config, *, schedule: str = "packed", block_size: int | None = None,
-            window: int | None = None, max_new_tokens: int = 128, eos_id: int | None = -1,
+            window: int | None = None, branches: int | None = None, max_new_tokens: int = 128,
+            eos_id: int | None = -1,
             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
             cache_size: int | None = None, order: str = "ltr",
             stop_sequences: Sequence = ()) -> Callable:
@@ -254,7 +262,7 @@ def decoder(model_or_config, *, schedule: str = "packed", block_size: int | None
     family = families.of(model.config)
     options = options_lib.read_once(DecodeOptions(
         schedule, block_size, window, order, temperature, top_k, top_p, max_new_tokens, eos_id,
-        stop_sequences, cache_size))
+        stop_sequences, cache_size, branches))
     program, limits, max_new = options_lib.plan(family, model.config, options,
                                                 tokenizer=getattr(model, "tokenizer", None))
 

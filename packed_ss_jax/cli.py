@@ -76,6 +76,8 @@ def _table(results) -> str:
     for r in results:
         f = families.FAMILIES[r.family]
         name = r.schedule if r.schedule == f.reference else f"{r.schedule} ({f.width_symbol}={r.width})"
+        if r.schedule == "branched":
+            name = name[:-1] + f", k={r.branches})"
         if r.order != f.orders[0]:
             name += f", {r.order}"
         rows.append(f"| {name} | {len(r.tokens)} | {r.nfe} | {r.tokens_per_nfe:.2f} | "
@@ -161,6 +163,8 @@ def _decode_options(args, family) -> dict:
     options = dict(max_new_tokens=args.max_new_tokens, eos_id=None if args.no_eos else -1,
                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                    seed=args.seed, **{family.width_name: width})
+    if args.branches is not None:
+        options["branches"] = args.branches
     if args.order is not None:
         options["order"] = args.order
     if args.stop:
@@ -174,6 +178,14 @@ def _decode_options(args, family) -> dict:
     else:
         options["prompt"] = args.ids if args.ids is not None else args.prompt
     return options
+
+
+def _for(schedule: str, options: dict, every: bool) -> dict:
+    """`options` for one schedule: with --schedule all (`every`), --branches goes to
+    Branched-SS alone (given with another schedule, the decode refuses it)."""
+    if schedule == "branched" or not every:
+        return options
+    return {k: v for k, v in options.items() if k != "branches"}
 
 
 def _stream_to_stdout(model, schedule: str, options: dict):
@@ -219,8 +231,10 @@ def _generate(argv: list[str] | None, prog: str) -> int:
     options = _decode_options(args, family)
     schedules = list(family.schedules) if args.schedule == "all" else [args.schedule]
     # The first schedule prints as it decodes; the others (--schedule all) only add rows.
-    first = _stream_to_stdout(model, schedules[0], options)
-    results = [first] + [api.decode(model, schedule=s, **options) for s in schedules[1:]]
+    every = args.schedule == "all"
+    first = _stream_to_stdout(model, schedules[0], _for(schedules[0], options, every))
+    results = [first] + [api.decode(model, schedule=s, **_for(s, options, every))
+                         for s in schedules[1:]]
     _report(results, family, greedy=args.temperature == 0)
     return 0
 
@@ -322,8 +336,10 @@ def _serving_app(args, limits):
         raise UsageError(f"--max-model-len {args.max_model_len} is longer than the model's "
                          f"context of {context} tokens")
     print("compiling the server's programs ...", file=sys.stderr, flush=True)
-    app = create_app(model, name, schedule=args.schedule, limits=limits,
-                     width=None if width is None else {family.width_name: width},
+    shape = {} if width is None else {family.width_name: width}
+    if args.branches is not None:
+        shape["branches"] = args.branches
+    app = create_app(model, name, schedule=args.schedule, limits=limits, width=shape or None,
                      max_model_len=args.max_model_len, slots=args.max_num_seqs,
                      steps=args.steps_per_launch, max_queue=args.max_queue)
     d = app.app.state.decoder

@@ -44,6 +44,7 @@ class DecodeOptions:
     eos_id: int | None = -1
     stop_sequences: Sequence = ()
     cache_size: int | None = None
+    branches: int | None = None       # Branched-SS's k (default 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,7 @@ class Program:
     capacity: int     # KV slots for prompt + output
     sampling: Sampling = Sampling()
     order: str = "ltr"
+    branches: int = 1  # Branched-SS's k (1 for every other schedule)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +161,8 @@ def plan(family, config, options: DecodeOptions, *, tokenizer=None, prompt_len=N
                                    capacity_for(need))
     if prompt_len is not None:
         validate.fits(prompt_len, c.max_new, capacity)
-    program = Program(family.name, o.schedule, c.width, 0, capacity, c.sampler.sampling, o.order)
+    program = Program(family.name, o.schedule, c.width, 0, capacity, c.sampler.sampling, o.order,
+                      c.branches)
     return program, limits, c.max_new
 
 

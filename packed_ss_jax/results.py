@@ -40,6 +40,7 @@ class DecodeResult:
     # Where the stop string that ended the output begins in `text` (None: no text stop);
     # text[:stop_at] is the output without it.
     stop_at: int | None = None
+    branches: int = 1        # Branched-SS's k (1 for every other schedule)
 
     @property
     def width(self) -> int:
@@ -122,4 +123,4 @@ def of_outcome(model, family, request: Request, out: dict, wall_s: float,
         accept_hist=np.asarray(out["accept_hist"]), wall_s=wall_s, compile_s=compile_s,
         schedule=p.schedule, prompt_len=len(request.prompt), drafts=W, text=text,
         family=family.name, order=p.order, finish_reason=finish, stop_at=stop_at,
-        **widths, **_setdlm_trace(out, iters))
+        branches=p.branches, **widths, **_setdlm_trace(out, iters))

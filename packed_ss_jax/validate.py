@@ -322,6 +322,23 @@ class Checked:
     width: int           # the family's width (B or W) the schedule runs at
     max_new: int
     eos: int | None
+    branches: int = 1    # Branched-SS's k
+
+
+DEFAULT_BRANCHES = 2   # the zero-accepted branch and the all-accepted one
+
+
+def branches(value, schedule: str, width: int) -> int:
+    """Branched-SS's k: 1 <= k <= B (one branch per outcome of the B - 1 drafts, the
+    zero-accepted one among them); given for another schedule, an error."""
+    if schedule != "branched":
+        if value is not None:
+            raise InputError(f"branches applies to schedule 'branched' only, not {schedule!r}")
+        return 1
+    if value is None:
+        return min(DEFAULT_BRANCHES, width)
+    return integer(value, "branches", 1, width, f"at most one per acceptance outcome: "
+                                                f"block_size {width}")
 
 
 def decode_options(family, config, options) -> Checked:
@@ -338,4 +355,5 @@ def decode_options(family, config, options) -> Checked:
         "a block must fit the cache, whose positions are int32"))
     max_new = integer(o.max_new_tokens, "max_new_tokens", 1, MAX_CACHE,
                       "prompt + max_new_tokens must fit the cache, whose positions are int32")
-    return Checked(s, width, max_new, eos_id(o.eos_id, config, config.vocab_size))
+    return Checked(s, width, max_new, eos_id(o.eos_id, config, config.vocab_size),
+                   branches(o.branches, o.schedule, width))

@@ -29,6 +29,10 @@ SLOW: dict[str, tuple[str, tuple[str, ...] | None]] = {
         ("one sampled program per schedule", ("packed",)),
     "test_sampling.py::test_the_sampled_program_at_temperature_zero_breaks_ties_as_greedy":
         ("one sampled program per schedule", ("packed",)),
+    "test_sampling.py::test_branched_follows_ar_distribution":
+        ("a chi-square law per number of branches, over five tokens", None),
+    "test_branched.py::test_greedy_is_the_reference_continuation":
+        ("one program per number of branches", ("3",)),
     "test_sampling.py::test_a_capped_stored_proposal_keeps_the_law":
         ("a chi-square law beyond one per family", None),
     "test_setdlm_sampling.py::test_follows_serial_distribution":

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import packed_ss_jax as ps
 from tiny import tiny_model
 
-SPECULATIVE = ["linear", "quadratic", "packed"]
+SPECULATIVE = ["linear", "quadratic", "packed", "branched"]
 
 
 @pytest.mark.parametrize("schedule", ["ar"] + SPECULATIVE)
@@ -49,8 +49,11 @@ def test_speculative_equals_ar(seed, B, prompt_len, L, eos_pick, data):
     eos = None if eos_pick < 0 else free[eos_pick % L]
     want = free if eos is None else free[: free.index(eos) + 1]
     assert ps.decode(model, prompt, schedule="ar", max_new_tokens=L, eos_id=eos).tokens == want
-    for schedule in SPECULATIVE:
-        r = ps.decode(model, prompt, schedule=schedule, block_size=B, max_new_tokens=L, eos_id=eos)
-        assert r.tokens == want, schedule
+    # Branched-SS at two branches and at one per outcome (k = B).
+    runs = [(s, {}) for s in SPECULATIVE] + [("branched", {"branches": B})]
+    for schedule, extra in runs:
+        r = ps.decode(model, prompt, schedule=schedule, block_size=B, max_new_tokens=L,
+                      eos_id=eos, **extra)
+        assert r.tokens == want, (schedule, extra)
         assert int((np.arange(len(r.accept_hist)) * r.accept_hist).sum()) == len(want)
         assert r.accept_hist.sum() == r.iterations

@@ -54,13 +54,13 @@ def np_target(logits, s: Sampler):
     return p
 
 
-def exact_law(s: Sampler, eos=None):
-    """{continuation: probability} for AR sampling stopped at EOS or L tokens."""
+def exact_law(s: Sampler, eos=None, length=L):
+    """{continuation: probability} for AR sampling stopped at EOS or `length` tokens."""
     V = MODEL.vocab_size
     law = {}
 
     def grow(seq, prob):
-        if len(seq) == L or (seq and seq[-1] == eos):
+        if len(seq) == length or (seq and seq[-1] == eos):
             law[tuple(seq)] = law.get(tuple(seq), 0.0) + prob
             return
         full = PROMPT + seq
@@ -78,10 +78,11 @@ def exact_law(s: Sampler, eos=None):
 _DRAWN = {}
 
 
-def draw(schedule, s: Sampler, eos=None, seed0=SEED0):
-    key = (schedule, s, eos, seed0, sampling.accept_ratio, sampling.residual)
+def draw(schedule, s: Sampler, eos=None, seed0=SEED0, **extra):
+    key = (schedule, s, eos, seed0, sampling.accept_ratio, sampling.residual,
+           tuple(extra.items()))
     if key not in _DRAWN:
-        _DRAWN[key] = _draw(schedule, s, eos, seed0)
+        _DRAWN[key] = _draw(schedule, s, eos, seed0, **extra)
     return _DRAWN[key]
 
 
@@ -100,10 +101,11 @@ def sample_many(model, prompt, seeds, **options):
     return np.asarray(tokens), np.asarray(n), np.asarray(stats["nfe"])
 
 
-def _draw(schedule, s: Sampler, eos, seed0):
+def _draw(schedule, s: Sampler, eos, seed0, length=L, **extra):
     toks, n, _ = sample_many(MODEL, PROMPT, seed0 + np.arange(N), schedule=schedule,
-                             block_size=B, max_new_tokens=L, eos_id=eos, cache_size=CAPACITY,
-                             temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+                             block_size=B, max_new_tokens=length, eos_id=eos, cache_size=CAPACITY,
+                             temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                             **extra)
     return [tuple(row[:k]) for row, k in zip(toks.tolist(), n.tolist())]
 
 
@@ -154,6 +156,24 @@ def test_follows_ar_distribution(laws, schedule, setting):
     p = chi_square(draw(schedule, s, eos), laws[setting])
     P_VALUES[(schedule, setting)] = p
     print(f"chi-square p-value {schedule:9s} {setting}: {p:.4f}")
+    assert p > ALPHA
+
+
+BRANCHED_L = 5   # long enough that drafts from a branch are verified (L = 3 is not)
+
+
+@pytest.fixture(scope="module")
+def branched_law():
+    return exact_law(SETTINGS["T=1"][0], length=BRANCHED_L)
+
+
+@pytest.mark.parametrize("branches", [2, 3])
+def test_branched_follows_ar_distribution(branched_law, branches):
+    """Branched-SS at T=1 with 2 and 3 branches (3 = B: one per outcome): the next draft
+    comes from the branch the verification selects, and the law is AR's."""
+    s = SETTINGS["T=1"][0]
+    p = chi_square(draw("branched", s, length=BRANCHED_L, branches=branches), branched_law)
+    print(f"chi-square p-value branched k={branches}: {p:.4f}")
     assert p > ALPHA
 
 

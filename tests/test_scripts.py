@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # benchmarks), and runs `test_help` for every script.
 SMOKE = {
     "benchmarks.attention_timing": ["test_scripts.py::test_attention_timing"],
+    "benchmarks.branches": ["test_scripts.py::test_branches"],
     "benchmarks.batch_throughput":
         ["test_benchmarks.py::test_batching_benchmarks_run_on_short_queues"],
     "benchmarks.checkpoint_cost": ["test_scripts.py::test_checkpoint_cost"],
@@ -142,6 +143,19 @@ def test_stream_overhead(capsys):
     assert stream_overhead.main(["--tokens", "16", "--chunks", "4", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
     assert "| one-shot | 1 |" in out and "| k=4 |" in out and "| k=4 + text |" in out
+
+
+def test_branches(tmp_path, capsys):
+    from benchmarks import branches
+
+    out = tmp_path / "branches.json"
+    assert branches.main(["--blocks", "3", "--prompts", "2", "--max-new-tokens", "12",
+                          "--json", str(out)]) == 0
+    assert "| 3 | branched | 3 | 12 |" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["schedule"], r["branches"]) for r in rows] == [
+        ("packed", None), ("branched", 1), ("branched", 2), ("branched", 3), ("quadratic", None)]
+    assert rows[0]["tokens_per_nfe"] == rows[1]["tokens_per_nfe"]   # k = 1 is Packed-SS
 
 
 def test_lm_eval_serving(tmp_path, capsys):

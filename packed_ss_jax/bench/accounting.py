@@ -16,8 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..nemotron import layouts
+from ..nemotron.schedules.branched import outcomes_for
+from ..validate import DEFAULT_BRANCHES
 
-ADAPTER_SCHEDULES = ("ar", "linear", "quadratic", "packed")  # Nemotron-Labs-Diffusion
+# Nemotron-Labs-Diffusion ("branched" at its default number of branches, as the bench runs it)
+ADAPTER_SCHEDULES = ("ar", "linear", "quadratic", "packed", "branched")
 
 
 def iteration_calls(schedule: str, block_size: int) -> list[layouts.Call]:
@@ -27,7 +30,9 @@ def iteration_calls(schedule: str, block_size: int) -> list[layouts.Call]:
     calls = {"ar": lambda: [layouts.single(x, c)],
              "linear": lambda: [layouts.draft_block(x, c, B, mask), layouts.verify(x, draft, c)],
              "packed": lambda: [layouts.packed(x, draft, c, mask)],
-             "quadratic": lambda: [layouts.quadratic(x, draft, c, mask)]}
+             "quadratic": lambda: [layouts.quadratic(x, draft, c, mask)],
+             "branched": lambda: [layouts.branched(
+                 x, draft, c, mask, outcomes_for(B, min(DEFAULT_BRANCHES, B)))]}
     if schedule not in calls:
         raise ValueError(f"adapter accounting covers {ADAPTER_SCHEDULES}, not {schedule!r}")
     if block_size < 2:

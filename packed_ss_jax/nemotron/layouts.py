@@ -44,6 +44,20 @@ def quadratic_mask(B: int) -> np.ndarray:
     return m
 
 
+@functools.lru_cache(maxsize=None)
+def branched_mask(B: int, outcomes: tuple[int, ...]) -> np.ndarray:
+    """Packed-SS's mask, then one group of B MASK rows per outcome h: they see the verify
+    rows x, d_1..d_h (a causal chain) and their own group."""
+    G = 2 * B + B * len(outcomes)
+    m = np.zeros((G, G), bool)
+    m[: 2 * B, : 2 * B] = packed_mask(B)
+    for j, h in enumerate(outcomes):
+        rows = 2 * B + j * B + np.arange(B)
+        m[np.ix_(rows, np.arange(h + 1))] = True
+        m[np.ix_(rows, rows)] = True
+    return m
+
+
 def single(x, c) -> Call:
     """AR: one causal row `[x]` at position c."""
     return Call(_i32(x)[None], _i32(c)[None], jnp.ones((1, 1), bool), jnp.zeros(1, bool))
@@ -70,6 +84,19 @@ def packed(x, draft, c, mask_id: int) -> Call:
     pos = np.arange(B)
     return Call(tokens, c + _i32(np.concatenate([pos, pos])), jnp.asarray(packed_mask(B)),
                 jnp.asarray(np.arange(2 * B) >= B))
+
+
+def branched(x, draft, c, mask_id: int, outcomes: tuple[int, ...]) -> Call:
+    """Branched-SS: Packed-SS's `[x, D̄ | x, MASK^(B-1)]`, then for each outcome h (h of
+    the drafts accepted, 1 <= h <= B-1) the group `MASK^B` at positions c+h+1 .. c+h+B:
+    Quadratic-SS's branch h without its head (it reads d_h's row in the verify half)."""
+    B = draft.shape[0] + 1
+    base = packed(x, draft, c, mask_id)
+    k = len(outcomes)
+    pos = np.concatenate([np.arange(B), np.arange(B)] + [h + 1 + np.arange(B) for h in outcomes])
+    tokens = jnp.concatenate([base.tokens, jnp.full(k * B, mask_id, jnp.int32)])
+    return Call(tokens, c + _i32(pos), jnp.asarray(branched_mask(B, outcomes)),
+                jnp.asarray(np.arange(2 * B + k * B) >= B))
 
 
 def quadratic(x, draft, c, mask_id: int) -> Call:

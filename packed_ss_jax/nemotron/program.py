@@ -9,8 +9,10 @@ they never recompile.
 """
 
 
+import functools
+
 from ..loop import Loop
-from .schedules import ar, linear, packed, quadratic
+from .schedules import ar, branched, linear, packed, quadratic
 from .prefill import first_call, prefill
 
 # name -> (first call, loop step). AR and Linear-SS start with a plain prefill;
@@ -20,6 +22,7 @@ SCHEDULES = {
     "linear": (prefill, linear.step),
     "quadratic": (first_call, quadratic.step),
     "packed": (first_call, packed.step),
+    "branched": (first_call, branched.step),   # Packed-SS plus branches (`branches`)
 }
 
 
@@ -27,6 +30,8 @@ def build(m, program) -> Loop:
     """The decode loop of one program; `program.width` is the block size B (1 for AR)."""
     first, step = SCHEDULES[program.schedule]
     B, sampling = program.width, program.sampling
+    if program.schedule == "branched":
+        step = functools.partial(step, outcomes=branched.outcomes_for(B, program.branches))
 
     def init(params, prompt, n, limits, key):
         sampler = sampling.bind(limits["temperature"], limits["top_p"])

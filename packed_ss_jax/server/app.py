@@ -33,8 +33,9 @@ def create_app(model, name: str, *, schedule: str = "packed", width: dict | None
     `.app`) inside the connection and body limits of `limits`. Requests are decoded
     `slots` at a time (batcher.py), `steps` loop iterations per launch, each fitting
     `max_model_len` tokens (default: the model's context, at most DEFAULT_MAX_MODEL_LEN);
-    past `max_queue` requests waiting for a slot, a new one gets 503. Every program is
-    compiled here, before the app is returned."""
+    past `max_queue` requests waiting for a slot, a new one gets 503. `width`: the
+    schedule's shape ({"block_size": B} or {"window": W}, and "branches" for Branched-SS).
+    Every program is compiled here, before the app is returned."""
     limits = limits or Limits()
     if max_model_len is None:
         max_model_len = min(model.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
