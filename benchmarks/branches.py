@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import packed_ss_jax as ps
+from packed_ss_jax.arguments import int_at_least, ints_at_least
 from packed_ss_jax.bench import tasks
 from packed_ss_jax.nemotron import layouts
 from packed_ss_jax.nemotron.schedules.branched import outcomes_for
@@ -28,18 +29,11 @@ def _arguments(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.branches",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a Nemotron checkpoint (default: nld-tiny)")
-    p.add_argument("--blocks", default="8,16", help="block sizes B")
-    p.add_argument("--prompts", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--blocks", type=ints_at_least(2), default="8,16", help="block sizes B")
+    p.add_argument("--prompts", type=int_at_least(1), default=32)
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=128)
     p.add_argument("--json", help="write the rows here")
-    args = p.parse_args(argv)
-    try:
-        args.blocks = [int(b) for b in args.blocks.split(",")]
-    except ValueError:
-        p.error(f"--blocks: integers, got {args.blocks!r}")
-    if min(args.blocks) < 2 or min(args.prompts, args.max_new_tokens) < 1:
-        p.error("--blocks must be at least 2, --prompts and --max-new-tokens at least 1")
-    return args
+    return p.parse_args(argv)
 
 
 def rows_per_call(schedule: str, B: int, branches: int = 1) -> int:

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from packed_ss_jax.nemotron import layouts
-from packed_ss_jax import model as model_lib
+from packed_ss_jax import cost, model as model_lib
 from packed_ss_jax.config import ModelConfig
 
 # Peak HBM bandwidth, bytes/s, by device kind substring.
@@ -87,29 +87,13 @@ def calls(B, Bq, mask_id: int):
 
 
 def time_forward(forward, params, call, cache, cache_len, out_rows, repeat: int) -> float:
-    """Seconds per call of `forward` on one layout: `repeat` calls inside one jitted loop,
-    best of three. Each call's input depends on the previous output, so XLA cannot hoist
-    the call out of the loop."""
+    """Seconds per call of `forward` on one layout (cost.seconds_per_call: `repeat` calls
+    inside one jitted loop, best of three)."""
+    def one(params, tokens, cache):
+        return forward(params, tokens, call.positions, call.mask, cache, jnp.int32(cache_len),
+                       call.draft_rows, out_rows)[0]
 
-    @jax.jit
-    def run(params, tokens, cache, cache_len):
-        def body(i, carry):
-            tokens, acc = carry
-            logits, _ = forward(params, tokens, call.positions, call.mask, cache, cache_len,
-                                call.draft_rows, out_rows)
-            first = logits.reshape(-1)[0]
-            flag = (first > 1e30).astype(jnp.int32)
-            return tokens.at[(0,) * tokens.ndim].add(flag), acc + first
-        return jax.lax.fori_loop(0, repeat, body, (tokens, jnp.float32(0)))
-
-    args = (params, call.tokens, cache, jnp.int32(cache_len))
-    jax.block_until_ready(run(*args))  # compile
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(*args))
-        best = min(best, (time.perf_counter() - t0) / repeat)
-    return best
+    return cost.seconds_per_call(one, params, call.tokens, cache, repeat)
 
 
 def time_call(c: ModelConfig, params, call, out_rows, cache_len: int, repeat: int,

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from packed_ss_jax.arguments import int_at_least, ints_at_least
 from packed_ss_jax.bench import tasks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,24 +39,18 @@ def _arguments(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.serving",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--schedules", default="ar,packed")
-    p.add_argument("--concurrency", default="1,8,32", help="clients at once, to measure")
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--long-tokens", type=int, default=400,
+    p.add_argument("--concurrency", type=ints_at_least(1), default="1,8,32",
+                   help="clients at once, to measure")
+    p.add_argument("--requests", type=int_at_least(1), default=32)
+    p.add_argument("--max-tokens", type=int_at_least(1), default=64)
+    p.add_argument("--long-tokens", type=int_at_least(1), default=400,
                    help="the long request's max_tokens (the short one's: 8)")
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--mixed", action="store_true",
                    help="greedy, sampled and top-p requests in turn (default: all greedy)")
     p.add_argument("--model", default=None, help="a checkpoint (default: the embedded one)")
     p.add_argument("--json", help="write the rows here")
-    args = p.parse_args(argv)
-    try:
-        args.concurrency = [int(x) for x in args.concurrency.split(",")]
-    except ValueError:
-        p.error(f"--concurrency: integers, got {args.concurrency!r}")
-    if min(args.concurrency) < 1 or min(args.requests, args.max_tokens) < 1:
-        p.error("--concurrency, --requests and --max-tokens must be at least 1")
-    return args
+    return p.parse_args(argv)
 
 
 class Server:

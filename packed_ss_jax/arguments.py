@@ -108,6 +108,22 @@ def int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], in
     return parse
 
 
+def ints_at_least(minimum: int) -> Callable[[str], list[int]]:
+    """A comma-separated list of integers >= minimum ('1,8,32')."""
+    one = int_at_least(minimum)
+
+    def parse(text: str) -> list[int]:
+        parts = [t.strip() for t in text.split(",")]
+        try:
+            return [one(t) for t in parts]
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"must be integers >= {minimum}, comma-separated, "
+                                             f"got {_shown(text)}") from None
+
+    parse.__name__ = f"integers >= {minimum}"
+    return parse
+
+
 def seed(text: str) -> int:
     value = _integer(text)
     if value is None or not 0 <= value < 2**32:

@@ -1,0 +1,208 @@
+"""What one decoding call costs on the device at hand: seconds per call of the loaded
+model as a function of the call's rows and its cache size, measured by a short
+calibration and kept on disk, so that a schedule's speed can be predicted before it is
+run (tokens per second = tokens per call / seconds per call).
+
+`calibrate` times the model's forward at a grid of row counts and cache sizes (each
+point one compiled program, run `repeat` times inside one XLA loop, best of three);
+`CostModel.call_s(rows, slots)` interpolates between the points, linearly in the rows
+and in the cache size, and extends the last segment past the grid. The cache size is
+what a call reads: every call attends over the whole cache buffer (the committed slots
+are masked, not sliced), so its length, not the live one, sets the cost.
+
+`load_or_calibrate` keeps one file per device kind, JAX version, dtype and model shape
+(`key_of`) in `$PACKED_SS_COST_DIR`, by default beside the compilation cache
+(`$XDG_CACHE_HOME/packed_ss_jax/cost`). A file that is missing, unreadable or not a
+calibration of that key is measured anew and replaced (written to a temporary file,
+then renamed: an interrupted write leaves the old file or none).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from .calls import causal
+
+ENV = "PACKED_SS_COST_DIR"
+ROWS = (1, 8, 32, 128)      # the calibration's row counts
+SLOTS = (256, 2048)         # and cache sizes (capped at the model's context)
+REPEAT = 8                  # calls per timed loop
+VERSION = 1                 # of the file's layout
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Seconds per call at each (cache size, rows) grid point, for one `key`."""
+
+    key: str
+    rows: tuple[int, ...]
+    slots: tuple[int, ...]
+    seconds: tuple[tuple[float, ...], ...]   # [len(slots)][len(rows)]
+    calibration_s: float = 0.0               # what measuring it took
+
+    def __post_init__(self):
+        if (list(self.rows) != sorted(set(self.rows)) or list(self.slots) != sorted(set(self.slots))
+                or not self.rows or not self.slots or min(self.rows[0], self.slots[0]) < 1):
+            raise ValueError("rows and slots must be increasing positive integers")
+        if (len(self.seconds) != len(self.slots)
+                or any(len(r) != len(self.rows) for r in self.seconds)
+                or not all(math.isfinite(s) and s > 0 for r in self.seconds for s in r)):
+            raise ValueError("seconds must be one positive number per (slots, rows) point")
+
+    def call_s(self, rows: int, slots: int) -> float:
+        """Predicted seconds of one call of `rows` rows over a cache of `slots` slots."""
+        by_slots = [_between(self.rows, r, rows) for r in self.seconds]
+        return max(_between(self.slots, by_slots, slots), 0.0)
+
+    def to_json(self) -> dict:
+        return {"version": VERSION, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_json(cls, data) -> CostModel:
+        """A CostModel from `to_json`'s dict; ValueError for anything else."""
+        if not isinstance(data, dict) or data.get("version") != VERSION:
+            raise ValueError("not a cost calibration of this version")
+        try:
+            return cls(str(data["key"]), tuple(int(x) for x in data["rows"]),
+                       tuple(int(x) for x in data["slots"]),
+                       tuple(tuple(float(s) for s in r) for r in data["seconds"]),
+                       float(data.get("calibration_s", 0.0)))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"a malformed cost calibration: {e}") from None
+
+
+def _between(xs: tuple[int, ...], ys, x: float) -> float:
+    """Piecewise-linear interpolation of ys over xs at x, extended along the end
+    segments; a single point is a constant."""
+    if len(xs) == 1:
+        return float(ys[0])
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def key_of(model) -> str:
+    """What a calibration is valid for: the device kind, the JAX version, the params'
+    dtype and the model's shape."""
+    c = model.config
+    shape = {k: v for k, v in dataclasses.asdict(c).items()
+             if isinstance(v, (int, float, str, bool, type(None)))}
+    leaves = jax.tree.leaves(model.params)
+    dtype = str(leaves[0].dtype) if leaves else "none"
+    text = json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                       "dtype": dtype, "shape": shape}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def seconds_per_call(call, params, tokens, cache, repeat: int = REPEAT) -> float:
+    """Seconds per `call(params, tokens, cache) -> logits`: `repeat` calls inside one
+    jitted loop, best of three runs (the first compiles, untimed). Each call's input
+    depends on the previous output, so XLA cannot hoist the call out of the loop."""
+
+    @jax.jit
+    def run(params, tokens, cache):
+        def body(i, carry):
+            tokens, acc = carry
+            first = call(params, tokens, cache).reshape(-1)[0]
+            flag = (first > 1e30).astype(tokens.dtype)
+            return tokens.at[(0,) * tokens.ndim].add(flag), acc + first
+        return jax.lax.fori_loop(0, repeat, body, (tokens, jnp.float32(0)))
+
+    jax.block_until_ready(run(params, tokens, cache))
+    best = math.inf
+    for _ in range(3):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(params, tokens, cache))
+        best = min(best, (time.perf_counter() - t0) / repeat)
+    return best
+
+
+def time_call(model, rows: int, slots: int, repeat: int = REPEAT) -> float:
+    """Seconds per call of `rows` causal rows after `slots - rows` cached ones, over a
+    cache of `slots` slots (what a decoding call of that many rows costs)."""
+    live = slots - rows
+    positions = live + jnp.arange(rows, dtype=jnp.int32)
+    mask, draft_rows = jnp.asarray(causal(rows)), jnp.zeros(rows, bool)
+
+    def call(params, tokens, cache):
+        return model.forward(params, tokens, positions, mask, cache, live, draft_rows)[0]
+
+    return seconds_per_call(call, model.params, jnp.zeros(rows, jnp.int32),
+                            model.empty_cache(slots), repeat)
+
+
+def calibrate(model, rows=ROWS, slots=SLOTS, repeat: int = REPEAT) -> CostModel:
+    """Times the model's call at every (cache size, rows) point: cache sizes are capped at
+    the model's context, and row counts that do not fit the smallest size left out."""
+    context = model.config.max_position_embeddings
+    sizes = sorted({min(s, context) for s in slots})
+    rows = sorted({r for r in rows if r < sizes[0]})
+    if not rows:
+        raise ValueError(f"no calibration row count fits a cache of {sizes[0]} slots")
+    t0 = time.perf_counter()
+    seconds = tuple(tuple(time_call(model, r, s, repeat) for r in rows) for s in sizes)
+    return CostModel(key_of(model), tuple(rows), tuple(sizes), seconds,
+                     time.perf_counter() - t0)
+
+
+def default_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "packed_ss_jax" / "cost"
+
+
+def load_or_calibrate(model, directory: str | os.PathLike | None = "default",
+                      **calibration) -> CostModel:
+    """The model's cost calibration from `directory` (default `$PACKED_SS_COST_DIR`, else
+    `default_dir()`; None: neither read nor written), measured and stored when there is
+    none for its key. `calibration`: `calibrate`'s keyword arguments."""
+    key = key_of(model)
+    if directory == "default":
+        directory = os.environ.get(ENV) or default_dir()
+    path = None if directory is None else Path(directory) / f"{key}.json"
+    if path is not None and path.is_file():
+        try:
+            found = CostModel.from_json(json.loads(path.read_text()))
+            if found.key == key:
+                return found
+            log.warning("%s holds another model's calibration; measuring anew", path)
+        except (OSError, ValueError) as e:   # JSONDecodeError is a ValueError
+            log.warning("%s is not a readable cost calibration (%s); measuring anew", path, e)
+    measured = calibrate(model, **calibration)
+    if path is not None:
+        _write(path, measured)
+    return measured
+
+
+def _write(path: Path, cost: CostModel) -> None:
+    """Writes atomically (a temporary file in the same folder, then renamed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(cost.to_json(), f)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def predicted_tokens_per_s(cost: CostModel, tokens_per_call: float, rows: int,
+                           slots: int) -> float:
+    """Tokens per second of a schedule making `tokens_per_call` tokens per call of
+    `rows` rows over `slots` cache slots."""
+    return tokens_per_call / cost.call_s(rows, slots)
+

@@ -1,0 +1,87 @@
+"""The cost model (cost.py): interpolation between calibrated points, the checks on a
+calibration's numbers, a calibration of a small model, and its file: written once per
+key, read back, and measured anew (never trusted) when it is broken or another key's."""
+
+import json
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from packed_ss_jax import cost
+from tiny import tiny_model
+
+MODEL = tiny_model(0)
+SMALL = dict(rows=(1, 4), slots=(16, 32), repeat=2)   # a quick calibration
+
+
+def _synthetic(key="k"):
+    # 1 ms + 0.1 ms per row at 16 slots, twice that at 32
+    return cost.CostModel(key, (1, 8), (16, 32), ((1.1e-3, 1.8e-3), (2.2e-3, 3.6e-3)))
+
+
+def test_calls_between_and_past_the_points_are_interpolated():
+    c = _synthetic()
+    assert c.call_s(1, 16) == pytest.approx(1.1e-3) and c.call_s(8, 32) == pytest.approx(3.6e-3)
+    assert c.call_s(4.5, 16) == pytest.approx(1.45e-3)                  # between rows
+    assert c.call_s(8, 24) == pytest.approx(2.7e-3)                     # between sizes
+    assert c.call_s(15, 16) == pytest.approx(2.5e-3)                    # past the rows
+    one = cost.CostModel("k", (4,), (64,), ((2e-3,),))
+    assert one.call_s(1, 8) == one.call_s(100, 1000) == 2e-3
+    assert cost.predicted_tokens_per_s(c, 3.0, 8, 16) == pytest.approx(3.0 / 1.8e-3)
+
+
+@pytest.mark.parametrize("seconds", [((1e-3, math.nan), (1e-3, 1e-3)),
+                                     ((1e-3, -1.0), (1e-3, 1e-3)), ((1e-3,), (1e-3, 1e-3))])
+def test_a_calibration_with_bad_numbers_is_refused(seconds):
+    with pytest.raises(ValueError, match="positive number per"):
+        cost.CostModel("k", (1, 8), (16, 32), seconds)
+    with pytest.raises(ValueError, match="increasing"):
+        cost.CostModel("k", (8, 1), (16, 32), ((1.0, 1.0), (1.0, 1.0)))
+
+
+def test_a_small_model_is_calibrated():
+    c = cost.calibrate(MODEL, **SMALL)
+    assert (c.rows, c.slots) == ((1, 4), (16, 32)) and c.key == cost.key_of(MODEL)
+    assert all(0 < s < 1 for r in c.seconds for s in r) and c.calibration_s > 0
+    # Row counts that do not fit the smallest cache are left out.
+    assert cost.calibrate(MODEL, rows=(1, 16), slots=(16,), repeat=1).rows == (1,)
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), MODEL)
+    assert cost.key_of(bf16) != c.key
+
+
+def test_the_calibration_is_kept_and_read_back(tmp_path, monkeypatch):
+    first = cost.load_or_calibrate(MODEL, tmp_path, **SMALL)
+    path = tmp_path / f"{first.key}.json"
+    assert path.is_file() and list(tmp_path.iterdir()) == [path]   # no temporary left
+
+    def no_measuring(*a, **k):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(cost, "calibrate", no_measuring)
+    assert cost.load_or_calibrate(MODEL, tmp_path) == first
+    monkeypatch.setenv(cost.ENV, str(tmp_path))
+    assert cost.load_or_calibrate(MODEL) == first
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 1}), "[]",
+                                     "other-key"])
+def test_a_broken_or_foreign_file_is_measured_anew(tmp_path, caplog, content):
+    path = tmp_path / f"{cost.key_of(MODEL)}.json"
+    if content == "other-key":
+        content = json.dumps(_synthetic("another").to_json())
+    path.write_text(content)
+    with caplog.at_level(logging.WARNING, logger="packed_ss_jax.cost"):
+        c = cost.load_or_calibrate(MODEL, tmp_path, **SMALL)
+    assert c.key == cost.key_of(MODEL) and str(path) in caplog.text
+    assert cost.CostModel.from_json(json.loads(path.read_text())) == c
+
+
+def test_without_a_directory_nothing_is_written(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(cost.ENV, raising=False)
+    cost.load_or_calibrate(MODEL, None, **SMALL)
+    assert list(tmp_path.iterdir()) == []
+    assert cost.default_dir() == tmp_path / "packed_ss_jax" / "cost"
