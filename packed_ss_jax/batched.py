@@ -62,10 +62,19 @@ def step_batch(step: Callable, batch_step: Callable | None = None) -> Callable:
     return run
 
 
-def start_batch(start: Callable) -> Callable:
+def start_batch(start: Callable, batch_init: Callable | None = None) -> Callable:
     """`start(params, prompt, n, limits, key)` over a batch: prompts [N, P] (padded to one
-    length), n [N], limits with a leading N axis, keys [N, ...]."""
-    return jax.vmap(start, in_axes=(None, 0, 0, 0, 0))
+    length), n [N], limits with a leading N axis, keys [N, ...]. With `batch_init` (a
+    sampled program's `Loop.batch_init`), told unbatched whether any row is greedy, so a
+    batch without greedy rows runs the sampled first call alone."""
+    if batch_init is None:
+        return jax.vmap(start, in_axes=(None, 0, 0, 0, 0))
+    many = jax.vmap(batch_init, in_axes=(None, 0, 0, 0, 0, None))
+
+    def run(params, prompts, n, limits, keys):
+        return many(params, prompts, n, limits, keys, jnp.any(limits["temperature"] == 0))
+
+    return run
 
 
 def pin_cache(s, cache_sharding):
@@ -88,7 +97,7 @@ def build(loop, cache_sharding=None) -> Callable:
     lives on a mesh, in the loop as at its start.
     """
     start, outcome = loop.init, loop.outcome
-    first, body = start_batch(start), step_batch(loop.step, loop.batch_step)
+    first, body = start_batch(start, loop.batch_init), step_batch(loop.step, loop.batch_step)
 
     def pin(s):
         return pin_cache(s, cache_sharding)

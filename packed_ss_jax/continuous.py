@@ -60,7 +60,7 @@ def _programs(engine: Engine, batch: Batch, pin):
     loop = engine.loop(batch.program)
     start, outcome = loop.init, loop.outcome
     step_all = batched.step_batch(loop.step, loop.batch_step)
-    first = batched.start_batch(start)
+    first = batched.start_batch(start, loop.batch_init)
 
     def body(params, s):
         return pin(step_all(params, s))

@@ -7,7 +7,8 @@ schedule step at a time until the state says done. `Loop` keeps those parts apar
 - `step(params, state) -> state`: one iteration;
 - `batch_step(params, state, plan) -> state` (sampled programs; None otherwise): the
   step given its batch's plan (`sampling.batch_plan`), for the vmapped step of a batch
-  (batched.step_batch);
+  (batched.step_batch); `batch_init(params, prompt, n, limits, key, some_argmax)`
+  likewise for a batch's first call, where it differs for greedy rows (batched.start_batch);
 - `outcome(state) -> dict`: what a decode returns, from any state;
 - `progress(state) -> (tokens, count, done)`: the output so far: `count` leading entries
   of `tokens` are final (no later iteration changes or drops them);
@@ -33,6 +34,7 @@ class Loop:
     outcome: Callable[[Any], dict]    # state -> the outcome dict
     progress: Callable[[Any], tuple]  # state -> (tokens, final count, done)
     batch_step: Callable[..., Any] | None = None   # (params, state, plan) -> state
+    batch_init: Callable[..., Any] | None = None   # init(..., key, some_argmax) -> state
 
     def run(self, params, prompt, n, limits, key):
         s = self.init(params, prompt, n, limits, key)

@@ -77,13 +77,16 @@ class Sampler:
     Built from Python numbers (checked here) or, inside a program, from traced values
     (`Sampling.bind`): `greedy` and `top_k` are static, temperature and top_p are data.
     `plan`: inside a batch's step, the index in PLANS its live rows allow (traced, the
-    same for every row); None: each row by its own values."""
+    same for every row); None: each row by its own values. `some_argmax`: in a batch's
+    first call, whether any row is greedy (traced, the same for every row); None: this
+    row's own temperature decides."""
 
     temperature: Any = 0.0
     top_k: int | None = flax.struct.field(pytree_node=False, default=None)
     top_p: Any = None
     greedy: bool | None = flax.struct.field(pytree_node=False, default=None)
     plan: Any = None
+    some_argmax: Any = None
 
     def __post_init__(self):
         if self.greedy is not None:  # rebuilt from traced values: nothing to check

@@ -60,7 +60,12 @@ def first_call(m: ForwardModel, params, prompt, n, *, B: int, capacity: int, max
         s = _greedy_first_call(m, params, prompt, n, **kw)
         return s.replace(key=key, draft_q=empty_q(sampler, B - 1, m.vocab_size), sampler=sampler)
 
-    return jax.lax.cond(sampler.argmax, greedy, sampled)
+    def either():   # vmapped over a batch, both sides run for every row
+        return jax.lax.cond(sampler.argmax, greedy, sampled)
+
+    if sampler.some_argmax is None:
+        return either()
+    return jax.lax.cond(sampler.some_argmax, either, sampled)
 
 
 def _greedy_first_call(m: ForwardModel, params, prompt, n, *, B: int, capacity: int, max_new,

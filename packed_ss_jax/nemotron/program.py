@@ -33,11 +33,16 @@ def build(m, program) -> Loop:
     if program.schedule == "branched":
         step = functools.partial(step, outcomes=branched.outcomes_for(B, program.branches))
 
-    def init(params, prompt, n, limits, key):
+    def init(params, prompt, n, limits, key, some_argmax=None):
         sampler = sampling.bind(limits["temperature"], limits["top_p"])
-        return first(m, params, prompt, n, B=B, capacity=program.capacity,
-                     max_new=limits["max_new"], stop_tok=limits["stop_tok"],
-                     stop_len=limits["stop_len"], sampler=sampler, key=key)
+        if some_argmax is not None:
+            sampler = sampler.replace(some_argmax=some_argmax)
+        s = first(m, params, prompt, n, B=B, capacity=program.capacity,
+                  max_new=limits["max_new"], stop_tok=limits["stop_tok"],
+                  stop_len=limits["stop_len"], sampler=sampler, key=key)
+        if some_argmax is None:
+            return s
+        return s.replace(sampler=s.sampler.replace(some_argmax=None))  # the state's own
 
     def sampler_of(s):
         return sampling.bind(None, None) if sampling.greedy else s.sampler
@@ -51,4 +56,5 @@ def build(m, program) -> Loop:
 
     return Loop(init=init, step=lambda params, s: step(m, params, s, B=B, sampler=sampler_of(s)),
                 outcome=outcome, progress=lambda s: (s.out, s.n_tokens, s.done),
-                batch_step=None if sampling.greedy else batch_step)
+                batch_step=None if sampling.greedy else batch_step,
+                batch_init=None if sampling.greedy else init)
