@@ -22,7 +22,6 @@ import packed_ss_jax as ps
 from packed_ss_jax.arguments import int_at_least, ints_at_least
 from packed_ss_jax.bench import tasks
 from packed_ss_jax.nemotron import layouts
-from packed_ss_jax.nemotron.schedules.branched import outcomes_for
 
 
 def _arguments(argv) -> argparse.Namespace:
@@ -41,7 +40,7 @@ def rows_per_call(schedule: str, B: int, branches: int = 1) -> int:
     x, c, draft = jnp.int32(0), jnp.int32(0), jnp.zeros(B - 1, jnp.int32)
     call = {"packed": lambda: layouts.packed(x, draft, c, 0),
             "quadratic": lambda: layouts.quadratic(x, draft, c, 0),
-            "branched": lambda: layouts.branched(x, draft, c, 0, outcomes_for(B, branches))}
+            "branched": lambda: layouts.branched(x, draft, jnp.int32(B - 1), c, 0, branches)}
     return int(call[schedule]().tokens.shape[0])
 
 

@@ -12,7 +12,7 @@ import os
 import re
 import sys
 
-from . import families
+from . import families, validate
 from .arguments import (Parser, UsageError, int_at_least, load_model, model_args, origins,
                         probability, run_command, seconds, seed, temperature, text, token_ids,
                         width_args, width_of)
@@ -232,6 +232,12 @@ def _generate(argv: list[str] | None, prog: str) -> int:
     schedules = list(family.schedules) if args.schedule == "all" else [args.schedule]
     # The first schedule prints as it decodes; the others (--schedule all) only add rows.
     every = args.schedule == "all"
+    if every and args.branches is not None:   # checked before any schedule decodes
+        if "branched" not in schedules:
+            raise UsageError(f"--branches is for --schedule branched, which {family.title} "
+                             "models do not have")
+        validate.branches(args.branches, "branched",
+                          width_of(args, family) or model.config.block_size)
     first = _stream_to_stdout(model, schedules[0], _for(schedules[0], options, every))
     results = [first] + [api.decode(model, schedule=s, **_for(s, options, every))
                          for s in schedules[1:]]

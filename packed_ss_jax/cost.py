@@ -66,7 +66,9 @@ class CostModel:
     def call_s(self, rows: int, slots: int) -> float:
         """Predicted seconds of one call of `rows` rows over a cache of `slots` slots."""
         by_slots = [_between(self.rows, r, rows) for r in self.seconds]
-        return max(_between(self.slots, by_slots, slots), 0.0)
+        # Extended below the grid a line can fall under zero: no call is cheaper than the
+        # cheapest one measured.
+        return max(_between(self.slots, by_slots, slots), min(min(r) for r in self.seconds))
 
     def to_json(self) -> dict:
         return {"version": VERSION, **dataclasses.asdict(self)}
@@ -96,15 +98,18 @@ def _between(xs: tuple[int, ...], ys, x: float) -> float:
 
 
 def key_of(model) -> str:
-    """What a calibration is valid for: the device kind, the JAX version, the params'
-    dtype and the model's shape."""
+    """What a calibration is valid for: the device kind and count, the JAX version, the
+    matmul precision, the model's shape and its params' shapes and dtypes (a draft
+    adapter, another dtype: another key)."""
     c = model.config
     shape = {k: v for k, v in dataclasses.asdict(c).items()
              if isinstance(v, (int, float, str, bool, type(None)))}
-    leaves = jax.tree.leaves(model.params)
-    dtype = str(leaves[0].dtype) if leaves else "none"
-    text = json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                       "dtype": dtype, "shape": shape}, sort_keys=True)
+    params = sorted(f"{jax.tree_util.keystr(p)}:{x.shape}:{x.dtype}"
+                    for p, x in jax.tree_util.tree_leaves_with_path(model.params))
+    text = json.dumps({"device": jax.devices()[0].device_kind, "devices": jax.device_count(),
+                       "jax": jax.__version__,
+                       "precision": str(jax.config.jax_default_matmul_precision),
+                       "shape": shape, "params": params}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -168,7 +173,8 @@ def load_or_calibrate(model, directory: str | os.PathLike | None = "default",
                       **calibration) -> CostModel:
     """The model's cost calibration from `directory` (default `$PACKED_SS_COST_DIR`, else
     `default_dir()`; None: neither read nor written), measured and stored when there is
-    none for its key. `calibration`: `calibrate`'s keyword arguments."""
+    none for its key. `calibration`: `calibrate`'s keyword arguments, for a new
+    measurement (a kept calibration is returned whatever grid it was measured at)."""
     key = key_of(model)
     if directory == "default":
         directory = os.environ.get(ENV) or default_dir()
@@ -183,7 +189,10 @@ def load_or_calibrate(model, directory: str | os.PathLike | None = "default",
             log.warning("%s is not a readable cost calibration (%s); measuring anew", path, e)
     measured = calibrate(model, **calibration)
     if path is not None:
-        _write(path, measured)
+        try:
+            _write(path, measured)
+        except OSError as e:   # the measurement still serves this process
+            log.warning("could not keep the cost calibration in %s: %s", path.parent, e)
     return measured
 
 

@@ -143,8 +143,8 @@ SLOW: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "test_compile_cache.py::test_second_process_reuses_compiled_programs":
         ("two processes compiling and reading back (the cache's in-process checks stay)",
          None),
-    "test_serving.py::test_setdlm_serves_greedy_and_sampled_requests_in_one_state":
-        ("a second SetDLM server, on its greedy-only decoder", ("packed",)),
+    "test_serving.py::test_other_schedules_serve_greedy_and_sampled_requests_in_one_state":
+        ("servers of other schedules", ("setdlm-tiny-packed-None",)),
     "test_serving.py::test_memory_stays_flat_over_hundreds_of_varied_requests":
         ("360 requests through the server", None),
     "test_scripts.py::test_lm_eval_serving":

@@ -8,7 +8,6 @@ import pytest
 
 import packed_ss_jax as ps
 from packed_ss_jax.nemotron import layouts
-from packed_ss_jax.nemotron.schedules.branched import outcomes_for
 from tiny import tiny_model
 
 B = 4
@@ -45,17 +44,19 @@ def test_a_batch_gives_each_prompt_its_tokens():
     assert [r.nfe for r in batch] == [r.nfe for r in alone]
 
 
-def test_the_branches_see_the_accepted_prefix():
+@pytest.mark.parametrize("draft_len,outcomes", [(B - 1, (3, 2, 1)), (1, (1, 0, -1))])
+def test_the_branches_see_the_accepted_prefix(draft_len, outcomes):
     """Branch h's MASK rows sit after x, d_1..d_h and see exactly those verify rows (and
-    each other): what Quadratic-SS's branch h sees."""
-    outcomes = outcomes_for(B, B)
-    assert outcomes == (3, 2, 1)
-    call = layouts.branched(np.int32(5), np.arange(B - 1, dtype=np.int32), np.int32(10), 0,
-                            outcomes)
+    each other): what Quadratic-SS's branch h sees. The outcomes count down from the
+    draft's length (a shortened draft's whole acceptance first)."""
+    assert tuple(np.asarray(layouts.branch_outcomes(draft_len, B)).tolist()) == outcomes
+    call = layouts.branched(np.int32(5), np.arange(B - 1, dtype=np.int32), np.int32(draft_len),
+                            np.int32(10), 0, B)
     mask, pos = np.asarray(call.mask), np.asarray(call.positions)
     assert mask.shape == (2 * B + 3 * B,) * 2
     np.testing.assert_array_equal(mask[: 2 * B, : 2 * B], layouts.packed_mask(B))
     for j, h in enumerate(outcomes):
+        h = max(h, 0)   # an outcome below 0 is never selected; its rows sit anywhere
         rows = 2 * B + j * B + np.arange(B)
         np.testing.assert_array_equal(pos[rows], 10 + h + 1 + np.arange(B))
         seen = np.flatnonzero(mask[rows[0]])
@@ -82,3 +83,10 @@ def test_the_command_line_takes_branches(capsys):
     assert "| branched (B=4, k=3) |" in capsys.readouterr().out
     assert cli.main(argv + ["--schedule", "packed", "--branches", "3"]) == 2
     assert "branches applies to schedule 'branched' only" in capsys.readouterr().err
+    # --schedule all: checked before any schedule decodes
+    assert cli.main(argv + ["--schedule", "all", "--branches", "5"]) == 2
+    err = capsys.readouterr()
+    assert "branches 5 is too large" in err.err and "|" not in err.out
+    assert cli.main(["generate", "12+34=", "--model", "setdlm-tiny", "--schedule", "all",
+                     "--branches", "2"]) == 2
+    assert "SetDLM models do not have" in capsys.readouterr().err

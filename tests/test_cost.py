@@ -28,6 +28,7 @@ def test_calls_between_and_past_the_points_are_interpolated():
     assert c.call_s(4.5, 16) == pytest.approx(1.45e-3)                  # between rows
     assert c.call_s(8, 24) == pytest.approx(2.7e-3)                     # between sizes
     assert c.call_s(15, 16) == pytest.approx(2.5e-3)                    # past the rows
+    assert c.call_s(1, 1) == pytest.approx(1.1e-3)   # never below the cheapest call measured
     one = cost.CostModel("k", (4,), (64,), ((2e-3,),))
     assert one.call_s(1, 8) == one.call_s(100, 1000) == 2e-3
     assert cost.predicted_tokens_per_s(c, 3.0, 8, 16) == pytest.approx(3.0 / 1.8e-3)
@@ -77,6 +78,14 @@ def test_a_broken_or_foreign_file_is_measured_anew(tmp_path, caplog, content):
         c = cost.load_or_calibrate(MODEL, tmp_path, **SMALL)
     assert c.key == cost.key_of(MODEL) and str(path) in caplog.text
     assert cost.CostModel.from_json(json.loads(path.read_text())) == c
+
+
+def test_a_directory_that_cannot_be_written_keeps_the_measurement(tmp_path, caplog):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    with caplog.at_level(logging.WARNING, logger="packed_ss_jax.cost"):
+        c = cost.load_or_calibrate(MODEL, blocked / "cost", **SMALL)
+    assert c.key == cost.key_of(MODEL) and "could not keep" in caplog.text
 
 
 def test_without_a_directory_nothing_is_written(tmp_path, monkeypatch):

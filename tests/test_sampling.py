@@ -257,7 +257,7 @@ def test_temperature_zero_is_greedy(nemotron, nemotron_ref, schedule):
         assert r.tokens == want
 
 
-@pytest.mark.parametrize("schedule", ["ar", "linear", "quadratic", "packed"])
+@pytest.mark.parametrize("schedule", ["ar", "linear", "quadratic", "packed", "branched"])
 def test_the_sampled_program_at_temperature_zero_is_greedy(nemotron, nemotron_ref, schedule):
     """A greedy request on the sampled program (as the server's slots decode it: the
     temperature 0 is data, not the greedy program) gives the reference greedy tokens."""
@@ -269,7 +269,7 @@ def test_the_sampled_program_at_temperature_zero_is_greedy(nemotron, nemotron_re
     assert engine.decode(shared).tokens == nemotron_ref["greedy_continuation"][:20].tolist()
 
 
-@pytest.mark.parametrize("schedule", ["ar", "packed"])
+@pytest.mark.parametrize("schedule", ["ar", "packed", "branched"])
 def test_the_sampled_program_at_temperature_zero_breaks_ties_as_greedy(schedule):
     """Every logit tied (zero weights): a draw at temperature 0 would pick any of them;
     the sampled program's greedy slots take the lowest id, as the greedy program does."""

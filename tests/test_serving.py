@@ -432,13 +432,15 @@ def test_memory_stays_flat_over_hundreds_of_varied_requests(client):
     assert _maps() - maps < 30 and _rss_mb() - rss < 40, (_maps() - maps, _rss_mb() - rss)
 
 
-@pytest.mark.parametrize("schedule", ["packed", "native"])
-def test_setdlm_serves_greedy_and_sampled_requests_in_one_state(schedule):
-    """SetDLM's slots run its sampled program (greedy requests at temperature 0); its
-    native decoder decodes greedily only, so there the slots run the greedy program and
-    a sampled request is a 400 naming the temperature."""
-    model = ps.load("setdlm-tiny")
-    app = create_app(model, "setdlm-tiny", schedule=schedule, max_model_len=48, slots=2)
+@pytest.mark.parametrize("name,schedule,shape", [("setdlm-tiny", "packed", None),
+                                                  ("setdlm-tiny", "native", None),
+                                                  ("nld-tiny", "branched", {"branches": 3})])
+def test_other_schedules_serve_greedy_and_sampled_requests_in_one_state(name, schedule, shape):
+    """SetDLM's slots, and Branched-SS's, run the sampled program (greedy requests at
+    temperature 0); SetDLM's native decoder decodes greedily only, so there the slots run
+    the greedy program and a sampled request is a 400 naming the temperature."""
+    model = ps.load(name)
+    app = create_app(model, name, schedule=schedule, width=shape, max_model_len=48, slots=2)
     asks = [dict(temperature=0), dict(temperature=1.0, seed=5),
             dict(temperature=0.8, top_p=0.7, seed=6)]
     prompt = "Question: Ava has 4 apples. She gets 3 more. How many?\nAnswer:"
@@ -446,21 +448,20 @@ def test_setdlm_serves_greedy_and_sampled_requests_in_one_state(schedule):
         assert app.app.state.decoder.sampled == (schedule != "native")
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=120)
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            got = list(pool.map(lambda a: _answer(client, prompt, a), asks))
+            got = list(pool.map(lambda a: _answer(client, name, prompt, a), asks))
     for asked, (code, ids) in zip(asks, got):
         if schedule == "native" and asked["temperature"] > 0:
             assert code == 400 and "temperature" in ids, ids
             continue
         want = ps.decode(model, prompt, schedule=schedule, max_new_tokens=8,
-                         seed=asked.get("seed", 0),
+                         seed=asked.get("seed", 0), **(shape or {}),
                          **{k: v for k, v in asked.items() if k != "seed"})
         assert (code, ids) == (200, want.tokens), asked
 
 
-def _answer(client, prompt: str, asked: dict):
+def _answer(client, name: str, prompt: str, asked: dict):
     try:
-        r = client.completions.create(model="setdlm-tiny", prompt=prompt, max_tokens=8,
-                                      **asked)
+        r = client.completions.create(model=name, prompt=prompt, max_tokens=8, **asked)
     except openai.BadRequestError as e:
         return 400, e.message
     return 200, r.model_extra["packed_ss"]["token_ids"]

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..nemotron import layouts
-from ..nemotron.schedules.branched import outcomes_for
 from ..validate import DEFAULT_BRANCHES
 
 # Nemotron-Labs-Diffusion ("branched" at its default number of branches, as the bench runs it)
@@ -32,7 +31,7 @@ def iteration_calls(schedule: str, block_size: int) -> list[layouts.Call]:
              "packed": lambda: [layouts.packed(x, draft, c, mask)],
              "quadratic": lambda: [layouts.quadratic(x, draft, c, mask)],
              "branched": lambda: [layouts.branched(
-                 x, draft, c, mask, outcomes_for(B, min(DEFAULT_BRANCHES, B)))]}
+                 x, draft, jnp.int32(B - 1), c, mask, min(DEFAULT_BRANCHES, B))]}
     if schedule not in calls:
         raise ValueError(f"adapter accounting covers {ADAPTER_SCHEDULES}, not {schedule!r}")
     if block_size < 2:

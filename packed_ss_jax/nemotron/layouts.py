@@ -45,17 +45,22 @@ def quadratic_mask(B: int) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=None)
-def branched_mask(B: int, outcomes: tuple[int, ...]) -> np.ndarray:
-    """Packed-SS's mask, then one group of B MASK rows per outcome h: they see the verify
-    rows x, d_1..d_h (a causal chain) and their own group."""
-    G = 2 * B + B * len(outcomes)
+def _branched_static(B: int, groups: int) -> np.ndarray:
+    """The static part of Branched-SS's mask: Packed-SS's, and each group of B MASK rows
+    seeing itself."""
+    G = 2 * B + B * groups
     m = np.zeros((G, G), bool)
     m[: 2 * B, : 2 * B] = packed_mask(B)
-    for j, h in enumerate(outcomes):
+    for j in range(groups):
         rows = 2 * B + j * B + np.arange(B)
-        m[np.ix_(rows, np.arange(h + 1))] = True
         m[np.ix_(rows, rows)] = True
     return m
+
+
+def branch_outcomes(draft_len, branches: int):
+    """The acceptance outcomes given a branch besides the zero-accepted one: the whole
+    draft accepted, then one fewer, and so on (branches - 1 of them; below 0: unused)."""
+    return (draft_len - jnp.arange(branches - 1)).astype(jnp.int32)
 
 
 def single(x, c) -> Call:
@@ -86,17 +91,23 @@ def packed(x, draft, c, mask_id: int) -> Call:
                 jnp.asarray(np.arange(2 * B) >= B))
 
 
-def branched(x, draft, c, mask_id: int, outcomes: tuple[int, ...]) -> Call:
-    """Branched-SS: Packed-SS's `[x, D̄ | x, MASK^(B-1)]`, then for each outcome h (h of
-    the drafts accepted, 1 <= h <= B-1) the group `MASK^B` at positions c+h+1 .. c+h+B:
-    Quadratic-SS's branch h without its head (it reads d_h's row in the verify half)."""
+def branched(x, draft, draft_len, c, mask_id: int, branches: int) -> Call:
+    """Branched-SS: Packed-SS's `[x, D̄ | x, MASK^(B-1)]`, then for each outcome h of
+    `branch_outcomes` (h of the draft's tokens accepted) the group `MASK^B` at positions
+    c+h+1 .. c+h+B seeing x, d_1..d_h: Quadratic-SS's branch h without its head (it reads
+    d_h's row in the verify half). The outcomes follow the draft's length, so the rows'
+    view of the verify half is traced; the rest of the mask is static."""
     B = draft.shape[0] + 1
     base = packed(x, draft, c, mask_id)
-    k = len(outcomes)
-    pos = np.concatenate([np.arange(B), np.arange(B)] + [h + 1 + np.arange(B) for h in outcomes])
-    tokens = jnp.concatenate([base.tokens, jnp.full(k * B, mask_id, jnp.int32)])
-    return Call(tokens, c + _i32(pos), jnp.asarray(branched_mask(B, outcomes)),
-                jnp.asarray(np.arange(2 * B + k * B) >= B))
+    groups = branches - 1
+    h = jnp.maximum(branch_outcomes(draft_len, branches), 0)   # unused groups: anywhere
+    pos = jnp.concatenate([base.positions, (c + h + 1)[:, None] + jnp.arange(B)[None, :]
+                           .astype(jnp.int32)], axis=None)
+    tokens = jnp.concatenate([base.tokens, jnp.full(groups * B, mask_id, jnp.int32)])
+    sees = jnp.repeat(jnp.arange(B)[None, :] <= h[:, None], B, axis=0)   # [groups*B, B]
+    mask = jnp.asarray(_branched_static(B, groups)).at[2 * B:, :B].set(sees)
+    return Call(tokens, pos.astype(jnp.int32), mask,
+                jnp.asarray(np.arange(2 * B + groups * B) >= B))
 
 
 def quadratic(x, draft, c, mask_id: int) -> Call:

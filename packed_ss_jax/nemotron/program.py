@@ -31,7 +31,7 @@ def build(m, program) -> Loop:
     first, step = SCHEDULES[program.schedule]
     B, sampling = program.width, program.sampling
     if program.schedule == "branched":
-        step = functools.partial(step, outcomes=branched.outcomes_for(B, program.branches))
+        step = functools.partial(step, branches=program.branches)
 
     def init(params, prompt, n, limits, key, some_argmax=None):
         sampler = sampling.bind(limits["temperature"], limits["top_p"])

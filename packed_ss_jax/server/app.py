@@ -226,6 +226,7 @@ class Service:
         pieces = [formats.Pieces() for _ in job.choices]
         results = [None] * len(job.choices)
         sent = [0] * len(job.choices)   # each choice's tokens streamed so far
+        chars = [0] * len(job.choices)  # and their strings' length (logprobs' text_offset)
         try:
             for event in form.opening(len(job.choices)):
                 yield formats.sse(event)
@@ -235,11 +236,12 @@ class Service:
                     break
                 index, chunk, scored = item   # scores: prompt and output so far
                 results[index] = chunk.result or results[index]
-                offset = pieces[index].sent
                 event = form.event(index, pieces[index](chunk), chunk.result, scored,
                                    len(job.choices[index].prompt) + sent[index], chunk.tokens,
-                                   offset)
+                                   chars[index])
                 sent[index] += len(chunk.tokens)
+                if scored is not None:
+                    chars[index] += sum(len(self.decode([int(t)])) for t in chunk.tokens)
                 yield formats.sse(event)
             else:
                 for event in form.closing(results, job.prompt_tokens):

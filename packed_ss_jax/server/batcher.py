@@ -315,10 +315,17 @@ class Batcher:
             new = np.asarray(tokens[slot][seat.count:count]).tolist()
             seat.count = count
             chunk = seat.chunker.add(new, bool(done[slot]))
-            if seat.job.cancelled.is_set() or seat.chunker.ended or done[slot]:
+            if (seat.job.cancelled.is_set() or seat.job.finished or seat.chunker.ended
+                    or done[slot]):
                 ending.append((slot, bool(done[slot])))
             elif chunk is not None:
-                self._put(seat, chunk, self._streamed_scores(seat, tokens[slot][:count]))
+                try:
+                    scores = self._streamed_scores(seat, chunk, tokens[slot][:count])
+                except Exception as error:  # reported to that request; the others go on
+                    self._close(seat, error)
+                    ending.append((slot, False))
+                    continue
+                self._put(seat, chunk, scores)
         if ending:
             self._finish(pool, ending)
 
@@ -333,6 +340,8 @@ class Batcher:
             pool.seats[slot] = None
             if seat.job.cancelled.is_set():
                 self._close(seat, None)
+                continue
+            if seat.job.finished:   # another of its choices failed: nothing more to send
                 continue
             out = {name: x[slot] for name, x in outcome.items()}
             if not done:  # the output so far: only its final ids
@@ -351,11 +360,11 @@ class Batcher:
                                   time.perf_counter() - seat.job.submitted)
             self._close(seat, None)
 
-    def _streamed_scores(self, seat: _Seat, output):
-        """A streamed chunk's scores, when its request asked for them: the prompt and the
-        output so far, scored (one forward per chunk)."""
+    def _streamed_scores(self, seat: _Seat, chunk, output):
+        """A streamed chunk's scores, when its request asked for them and the chunk has
+        tokens: the prompt and the output so far, scored (one forward per chunk)."""
         job = seat.job
-        if job.score is None or not job.streamed:
+        if job.score is None or not job.streamed or not chunk.tokens:
             return None
         return scoring.score(self.engine, list(seat.request.prompt) + list(output),
                              job.score.top)

@@ -3,15 +3,17 @@ leaves to future work): one call verifies the previous draft and pre-drafts the
 zero-accepted branch, as Packed-SS does, plus a branch for each of a few acceptance
 outcomes, as Quadratic-SS does for all of them.
 
-Input: Packed-SS's `[x, D̄ | x, MASK^(B-1)]`, then for each outcome h of `outcomes`
-(1 <= h <= B-1 drafts accepted) the group `MASK^B` at positions c+h+1 .. c+h+B, which
-sees x, d_1..d_h in the verify half (Quadratic-SS's branch h, its head read from the
-verify half). After verification, if h is one of the outcomes, that branch's proposals
-past the correction/bonus position are the next draft (B-1 tokens); otherwise Packed-SS's
-zero-accepted proposals past the accepted tokens are (B-1-A tokens). `branches` = k =
-len(outcomes) + 1: k = 1 is Packed-SS; k = B gives every outcome a branch (Quadratic-SS,
-except that its zero-accepted draft is Packed-SS's, one token shorter). 2B + (k-1)B rows
-per call.
+Input: Packed-SS's `[x, D̄ | x, MASK^(B-1)]`, then for each outcome h of
+`layouts.branch_outcomes` (the whole draft accepted, then one fewer, ...; k - 1 of them)
+the group `MASK^B` at positions c+h+1 .. c+h+B, which sees x, d_1..d_h in the verify
+half (Quadratic-SS's branch h, its head read from the verify half). After verification,
+if h is one of the outcomes, that branch's proposals past the correction/bonus position
+are the next draft (B-1 tokens); otherwise Packed-SS's zero-accepted proposals past the
+accepted tokens are (B-1-A tokens). The outcomes count from the draft's length, since a
+draft shortened by Packed-SS's rule can never be accepted to B-1. `branches` = k:
+k = 1 is Packed-SS; k = B gives every outcome of a full draft a branch (Quadratic-SS,
+except that its zero-accepted draft is Packed-SS's, one token shorter). 2B + (k-1)B
+rows per call.
 
 Sampling: the next draft is drawn from the selected rows only and its Q stored with it.
 Which rows are selected depends on this call's verification alone, so the draft's
@@ -31,18 +33,13 @@ from ..state import State, advance, propose, verify_draft
 from . import packed
 
 
-def outcomes_for(B: int, branches: int) -> tuple[int, ...]:
-    """The outcomes given a branch besides the zero-accepted one: every draft accepted
-    first, then one fewer, and so on (branches - 1 of them)."""
-    return tuple(range(B - 1, B - branches, -1))
-
-
-def step(m, params, s: State, *, B: int, sampler: Sampler, outcomes: tuple[int, ...]) -> State:
-    if not outcomes:  # one branch: Packed-SS itself
+def step(m, params, s: State, *, B: int, sampler: Sampler, branches: int) -> State:
+    if branches == 1:  # Packed-SS itself
         return packed.step(m, params, s, B=B, sampler=sampler)
-    W, k = B - 1, len(outcomes)
+    W, k = B - 1, branches - 1
     s, (k_verify, k_draft) = next_keys(s, 2, sampler)
-    call = layouts.branched(s.x, s.draft, s.cache_len, m.mask_id, outcomes)
+    outcomes = layouts.branch_outcomes(s.draft_len, branches)
+    call = layouts.branched(s.x, s.draft, s.draft_len, s.cache_len, m.mask_id, branches)
     rows = jnp.concatenate([jnp.arange(B), B + 1 + jnp.arange(W)]
                            + [2 * B + j * B + 1 + jnp.arange(W) for j in range(k)])
     logits, kv = run_call(m, params, call, s.cache, s.cache_len, out_rows=rows)
@@ -52,7 +49,7 @@ def step(m, params, s: State, *, B: int, sampler: Sampler, outcomes: tuple[int, 
     past = jax.lax.dynamic_slice_in_dim(jnp.concatenate([zero, jnp.repeat(zero[-1:], W, 0)]),
                                         A, W)   # z^(A+1..), padded past z^W
     branch = logits[B + W:].reshape(k, W, -1)
-    hit = h == jnp.asarray(outcomes)
+    hit = h == outcomes
     matched = jnp.any(hit)
     d_logits = jnp.where(matched, branch[jnp.argmax(hit)], past)
     draft, q = propose(d_logits, sampler, m.mask_id, k_draft)
