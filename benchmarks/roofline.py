@@ -52,10 +52,11 @@ DEVICES = {
 # draft-only LoRA, 512-token cap: Packed-SS 274.2 tokens in 1 + 47.44 NFE (5.66 per NFE),
 # Linear-SS 272.2 tokens in 1 + 2 x 27.02 NFE (4.95 per NFE), a ratio of 1.144.
 TOKENS_PER_NFE = {"low": 1.134, "high": 1.203, "8B GSM8K LoRA": (274.2 / 48.44) / (272.2 / 55.04)}
-# Model calls per loop step, and the block size each schedule runs at in the paper.
-CALLS = {"ar": 1, "linear": 2, "quadratic": 1, "packed": 1}
-BLOCK = {"ar": 32, "linear": 32, "quadratic": 8, "packed": 32}
-ROWS = {"ar": "1", "linear": "32 + 32", "quadratic": "72", "packed": "64"}
+# Model calls per loop step, and the block size each schedule runs at in the paper
+# (Branched-SS, beyond it, at Packed-SS's, with its default two branches).
+CALLS = {"ar": 1, "linear": 2, "quadratic": 1, "packed": 1, "branched": 1}
+BLOCK = {"ar": 32, "linear": 32, "quadratic": 8, "packed": 32, "branched": 32}
+ROWS = {"ar": "1", "linear": "32 + 32", "quadratic": "72", "packed": "64", "branched": "96"}
 
 
 @dataclasses.dataclass

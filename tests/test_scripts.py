@@ -126,12 +126,13 @@ def test_roofline(capsys):
     assert roofline.main(["--shapes", "tiny", "--live", "64"]) == 0
     out = capsys.readouterr().out
     rows = [r.split("|") for r in out.splitlines() if r.startswith("| tiny | ")]
-    assert [r[2].split()[0] for r in rows[:4]] == ["ar", "linear", "quadratic", "packed"]
-    assert all(float(r[3]) >= 0 and float(r[4]) >= 0 for r in rows[:4])  # GFLOP, GB (XLA)
+    schedules = ["ar", "linear", "quadratic", "packed", "branched"]
+    assert [r[2].split()[0] for r in rows[:5]] == schedules
+    assert all(float(r[3]) >= 0 and float(r[4]) >= 0 for r in rows[:5])  # GFLOP, GB (XLA)
     # Then the throughput ratios per device: Linear-SS / Packed-SS time per NFE, projected
     # with XLA's bytes / with the minimal traffic.
-    assert [r[2].strip() for r in rows[4:]] == list(roofline.DEVICES)
-    assert all(float(x) > 0 for r in rows[4:] for x in r[3].split("/"))
+    assert [r[2].strip() for r in rows[5:]] == list(roofline.DEVICES)
+    assert all(float(x) > 0 for r in rows[5:] for x in r[3].split("/"))
     with pytest.raises(SystemExit):
         roofline.main(["--shapes", "2B"])
     assert "--shapes" in capsys.readouterr().err
