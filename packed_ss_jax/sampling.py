@@ -125,10 +125,10 @@ class Sampler:
 def greedy_or_sampled(sampler: Sampler, greedy, sampled):
     """`greedy()` or `sampled()` (no arguments; the same structure out) for a sampled
     program: `sampled` picks per row by `sampler.argmax`; a batch whose live rows are all
-    greedy (plan 0) runs `greedy` alone."""
+    greedy (plan "argmax") runs `greedy` alone."""
     if sampler.plan is None:
         return sampled()
-    return jax.lax.cond(sampler.plan == 0, greedy, sampled)
+    return jax.lax.cond(sampler.plan == PLANS.index("argmax"), greedy, sampled)
 
 
 def next_keys(state, n: int, sampler: Sampler):
@@ -145,7 +145,8 @@ def batch_plan(sampler: Sampler, live):
     (`sampler`'s values and `live` with a leading row axis)."""
     greedy = (sampler.temperature == 0) | ~live
     whole = jnp.all(greedy | (sampler.top_p >= 1))
-    return jnp.where(jnp.all(greedy), 0, jnp.where(whole, 1, 2))
+    return jnp.where(jnp.all(greedy), PLANS.index("argmax"),
+                     jnp.where(whole, PLANS.index("whole"), PLANS.index("mixed")))
 
 
 def traced_values(s: Sampler) -> dict:
