@@ -7,7 +7,8 @@
     fn = packed_ss_jax.decoder(model, schedule="packed", block_size=32)  # pure, jittable
 """
 
-from .api import DecodeResult, StreamChunk, decode, decode_continuous, decoder, logits, stream
+from .api import (DecodeResult, StreamChunk, auto_planner, decode, decode_continuous, decoder,
+                  logits, stream)
 from .checkpoints.errors import CheckpointError
 from .compile_cache import set_compile_cache
 from .config import ConfigError, ModelConfig
@@ -22,7 +23,7 @@ from .results import NonFiniteError
 from .sharding import make_mesh
 
 __all__ = ["CheckpointError", "ConfigError", "DecodeOptions", "DecodeResult", "Engine", "FAMILIES", "InputError", "Model",
-           "ModelConfig", "NonFiniteError", "StreamChunk", "convert", "decode",
+           "ModelConfig", "NonFiniteError", "StreamChunk", "auto_planner", "convert", "decode",
            "decode_continuous", "decoder", "load", "logits", "make_mesh", "set_compile_cache",
            "stream"]
 __version__ = "0.1.0"

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import chat, continuous, families, options as options_lib, validate
+from . import chat, continuous, families, options as options_lib, planner, validate
 from .config import ModelConfig
 from .chunks import Chunker, StreamChunk
 from .engine import DEFAULT_CHUNK, Engine, Streaming
@@ -24,8 +24,8 @@ from .results import DecodeResult
 from .model import Model
 from .validate import InputError, InputTypeError
 
-__all__ = ["DecodeResult", "StreamChunk", "decode", "decode_continuous", "decoder", "logits",
-           "stream"]
+__all__ = ["DecodeResult", "StreamChunk", "auto_planner", "decode", "decode_continuous",
+           "decoder", "logits", "stream"]
 
 
 def as_model(model, config: ModelConfig | None = None):
@@ -82,7 +82,42 @@ def _request(model, config, prompt, messages, chat_template_kwargs, seed,
              options: DecodeOptions) -> tuple[Engine, Request]:
     engine = Engine.of(as_model(model, config))
     prompt = _prompt(engine.model, prompt, messages, chat_template_kwargs)
-    return engine, engine.request(prompt, options, seed)
+    if options.schedule != planner.AUTO:
+        return engine, engine.request(prompt, options, seed)
+    ids = validate.prompt_ids(engine.model, prompt)
+    options, auto = _chosen(engine, options, len(ids))
+    return engine, dataclasses.replace(engine.request(ids, options, seed), auto=auto)
+
+
+def _chosen(engine: Engine, options: DecodeOptions, prompt_len: int,
+            sequences: int = 1) -> tuple[DecodeOptions, dict]:
+    """Schedule "auto" resolved: the options of the candidate the engine's planner
+    chooses, and the choice's record for the results."""
+    p = planner.Planner.of(engine)
+    options = options_lib.read_once(options)   # stop markers may be an iterator: read once
+    choice = p.choose(options, prompt_len, sequences)
+    return p.options_for(options, choice.candidate), choice.summary(engine.family)
+
+
+def _observed(engine: Engine, options: DecodeOptions, results: list[DecodeResult]) -> None:
+    """Decodes of an "auto" choice reported to the planner's acceptance model."""
+    if options.schedule == planner.AUTO and results:
+        planner.Planner.of(engine).observe(results)
+
+
+def _batch(engine: Engine, prompts, options: DecodeOptions, seed, sequences=None):
+    """`engine.batch`, schedule "auto" resolved for `sequences` sequences at once (default
+    all) of the batch's longest prompt."""
+    if options.schedule != planner.AUTO:
+        return engine.batch(prompts, options, seed, sequences)
+    prompts = validate.prompt_list(prompts)
+    longest = max(len(validate.prompt_ids(engine.model, p, f"prompts[{i}]: "))
+                  for i, p in enumerate(prompts))
+    at_once = len(prompts) if sequences is None else min(sequences, len(prompts))
+    options, auto = _chosen(engine, options, longest, at_once)
+    batch = engine.batch(prompts, options, seed, sequences)
+    return dataclasses.replace(batch, members=tuple(
+        dataclasses.replace(r, auto=auto) for r in batch.members))
 
 
 def check(model, prompt=None, *, messages=None, chat_template_kwargs=None, seed: int = 0,
@@ -123,7 +158,10 @@ def decode(model, prompt: str | Sequence[int] | None = None, *,
     model:      a `Model` (from `load`), or a params tree with `config=` its ModelConfig.
     schedule:   Nemotron "ar", "linear", "quadratic", "packed", "branched"; SetDLM
                 "serial", "native", "linear", "quadratic", "packed" (see
-                `families.FAMILIES`).
+                `families.FAMILIES`); or "auto": the exact schedule, width and branches
+                predicted fastest on this device for this request (planner.py; calibrated
+                on first use; a width or branches given keep that width or k; the
+                choice in `result.auto`).
     branches:   "branched": k, 1 <= k <= B, branches pre-drafted per call (the
                 zero-accepted one and k - 1 for the most accepted outcomes; default 2;
                 1 is Packed-SS).
@@ -148,10 +186,14 @@ def decode(model, prompt: str | Sequence[int] | None = None, *,
                             max_new_tokens, eos_id, stop_sequences, cache_size, branches)
     if messages is None and is_batch(prompt):
         engine = Engine.of(as_model(model, config))
-        return engine.decode_batch(engine.batch(prompt, options, seed))
+        results = engine.decode_batch(_batch(engine, prompt, options, seed))
+        _observed(engine, options, results)
+        return results
     engine, request = _request(model, config, prompt, messages, chat_template_kwargs, seed,
                                options)
-    return engine.decode(request)
+    result = engine.decode(request)
+    _observed(engine, options, [result])
+    return result
 
 
 def decode_continuous(model, prompts: Sequence, *, slots: int = 8, every: int = 64,
@@ -180,12 +222,14 @@ def decode_continuous(model, prompts: Sequence, *, slots: int = 8, every: int = 
     options = DecodeOptions(schedule, block_size, window, order, temperature, top_k, top_p,
                             max_new_tokens, eos_id, stop_sequences, cache_size, branches)
     engine = Engine.of(as_model(model, config))
-    batch = engine.batch(prompts, options, seed, sequences=slots)
+    batch = _batch(engine, prompts, options, seed, sequences=slots)
     # A slot past the prompts would never hold one (and would cost its cache); no
     # request runs more than max_new_tokens + 1 iterations, so a larger `every` is that.
     slots = min(slots, len(batch.members))
     every = min(every, batch.members[0].max_new + 1)
-    return continuous.decode_queue(engine, batch, slots, every)
+    out = continuous.decode_queue(engine, batch, slots, every)   # (results, stats)
+    _observed(engine, options, out[0])
+    return out
 
 
 def stream(model, prompt: str | Sequence[int] | None = None, *,
@@ -217,18 +261,21 @@ def stream(model, prompt: str | Sequence[int] | None = None, *,
 def stream_request(model, request: Request, chunk: int = DEFAULT_CHUNK):
     """`stream` of a request already checked (`check`): the chunks, nothing checked again."""
     engine = Engine.of(model)
-    return _chunks(engine.model, engine.stream(request, chunk), request.stop_texts)
+    return _chunks(engine, engine.stream(request, chunk), request.stop_texts)
 
 
-def _chunks(model, decoding: Streaming, stop_texts) -> Iterator[StreamChunk]:
-    chunker = Chunker(getattr(model, "tokenizer", None), stop_texts)
+def _chunks(engine: Engine, decoding: Streaming, stop_texts) -> Iterator[StreamChunk]:
+    chunker = Chunker(getattr(engine.model, "tokenizer", None), stop_texts)
     while not decoding.done:
         chunk = chunker.add(decoding.launch(), decoding.done)
         if chunker.ended:
             break  # the output ends here: the result cuts it at the stop
         if chunk is not None:
             yield chunk
-    yield chunker.last(decoding.result())
+    result = decoding.result()
+    if result.auto is not None:
+        planner.Planner.of(engine).observe([result])
+    yield chunker.last(result)
 
 
 def decoder(model_or_config, *, schedule: str = "packed", block_size: int | None = None,
@@ -255,6 +302,10 @@ def decoder(model_or_config, *, schedule: str = "packed", block_size: int | None
     The arguments are `decode`'s (checked here, once); `model_or_config` is a Model or a
     ModelConfig (then stop strings cannot be tokenized: give stop sequences as ids).
     """
+    if schedule == planner.AUTO:
+        raise InputError("schedule 'auto' chooses per request and device; a decoder is one "
+                         "compiled schedule: pass the one `decode(..., schedule='auto')` "
+                         "chose (its result's `schedule`, width and `branches`)")
     if isinstance(model_or_config, ModelConfig):
         model = Model(config=model_or_config, params=None)
     else:
@@ -289,6 +340,14 @@ def decoder(model_or_config, *, schedule: str = "packed", block_size: int | None
         return tokens, n_tokens, out
 
     return fn
+
+
+def auto_planner(model, config: ModelConfig | None = None) -> planner.Planner:
+    """What `schedule="auto"` decides with for this model (see planner.py): its
+    candidates, `calibrate(prompts)` (to calibrate on a workload's own prompts), `choose`
+    (every candidate's prediction) and the running acceptance (`acceptance.table()`).
+    `Planner(...).attach()` replaces it (other candidates, calibration folder)."""
+    return planner.Planner.of(Engine.of(as_model(model, config)))
 
 
 def logits(model, tokens, positions, mask, draft_rows=None, *,

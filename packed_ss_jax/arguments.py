@@ -401,8 +401,8 @@ def width_args(p: Parser) -> None:
                        help=f"{', '.join(f.title for f in users)}: the {name} "
                             f"(default: the checkpoint's)")
     p.add_argument("--branches", type=int_at_least(1), default=None,
-                   help="--schedule branched: branches pre-drafted per call, 1 to the block "
-                        "size (default 2: the zero-accepted and the all-accepted ones)")
+                   help="--schedule branched: branches pre-drafted per call, 1 to the width "
+                        "(B or W; default 2: the zero-accepted and the all-accepted ones)")
 
 
 def width_of(args, family) -> int | None:

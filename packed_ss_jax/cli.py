@@ -107,9 +107,11 @@ def _generate_parser(prog: str) -> Parser:
     p.add_argument("--ids", type=token_ids,
                    help="prompt as token ids, e.g. '1,17,42' (instead of text)")
     model_args(p)
-    p.add_argument("--schedule", default="packed", choices=families.all_schedules() + ["all"],
-                   help="decoding schedule (default packed); 'all' runs every schedule of the "
-                        "model's family on the same prompt")
+    p.add_argument("--schedule", default="packed",
+                   choices=families.all_schedules() + ["auto", "all"],
+                   help="decoding schedule (default packed); 'auto' picks the exact schedule "
+                        "predicted fastest on this device (calibrated on first use); 'all' "
+                        "runs every schedule of the model's family on the same prompt")
     width_args(p)
     p.add_argument("--order", default=None,
                    help="SetDLM: verification order, ltr (default) or confidence")
@@ -150,7 +152,7 @@ def _check_prompt(p: Parser, args) -> None:
 def _check_schedule(schedule: str, family, also: str = "") -> None:
     """Refuses a schedule the model's family does not decode with; `also` names what
     the command accepts besides the family's schedules (e.g. " (or all)")."""
-    if schedule not in family.schedules:
+    if schedule not in family.schedules and schedule != "auto":
         raise UsageError(f"--schedule {schedule}: {family.title} models decode with "
                          f"{', '.join(family.schedules)}{also}")
 
@@ -238,11 +240,30 @@ def _generate(argv: list[str] | None, prog: str) -> int:
                              "models do not have")
         validate.branches(args.branches, "branched",
                           width_of(args, family) or model.config.block_size)
+    planner = _auto_progress(model) if args.schedule == "auto" else None
     first = _stream_to_stdout(model, schedules[0], _for(schedules[0], options, every))
     results = [first] + [api.decode(model, schedule=s, **_for(s, options, every))
                          for s in schedules[1:]]
     _report(results, family, greedy=args.temperature == 0)
+    if planner is not None:
+        print(f"auto chose {first.auto['label']} (predicted "
+              f"{first.auto['predicted_tokens_per_s']:.0f} tokens/s; calibration "
+              f"{planner.calibration_s:.1f} s)")
     return 0
+
+
+def _auto_progress(model):
+    """Schedule auto's planner for `model`, telling stderr about each candidate its first
+    use calibrates (a calibration kept on disk is read back silently)."""
+    from .engine import Engine
+    from .planner import Planner
+
+    def progress(i, n, label):
+        print(f"calibrating auto: {label} ({i + 1} of {n})", file=sys.stderr, flush=True)
+
+    planner = Planner.of(Engine.of(model))
+    planner.progress = progress
+    return planner
 
 
 def generate_main(argv: list[str] | None = None, prog: str = "packed-ss generate") -> int:
@@ -266,8 +287,9 @@ def _serve_parser(prog: str) -> Parser:
                    help="port (default 8000; 0: any free port, printed at startup)")
     p.add_argument("--served-model-name", type=text, default=None,
                    help="the model id clients ask for (default: the checkpoint's folder name)")
-    p.add_argument("--schedule", default="packed", choices=families.all_schedules(),
-                   help="decoding schedule (default packed)")
+    p.add_argument("--schedule", default="packed", choices=families.all_schedules() + ["auto"],
+                   help="decoding schedule (default packed); 'auto' picks the exact schedule "
+                        "predicted fastest with every slot busy (calibrated on first use)")
     width_args(p)
     p.add_argument("--max-num-seqs", type=int_at_least(1, 256), default=8,
                    help="requests (each choice of one) decoded at once, in the slots of one "
@@ -341,6 +363,8 @@ def _serving_app(args, limits):
     if args.max_model_len is not None and args.max_model_len > context:
         raise UsageError(f"--max-model-len {args.max_model_len} is longer than the model's "
                          f"context of {context} tokens")
+    if args.schedule == "auto":
+        _auto_progress(model)
     print("compiling the server's programs ...", file=sys.stderr, flush=True)
     shape = {} if width is None else {family.width_name: width}
     if args.branches is not None:
@@ -349,6 +373,10 @@ def _serving_app(args, limits):
                      max_model_len=args.max_model_len, slots=args.max_num_seqs,
                      steps=args.steps_per_launch, max_queue=args.max_queue)
     d = app.app.state.decoder
+    if args.schedule == "auto":
+        auto = app.app.state.auto
+        print(f"auto chose {auto['label']} for {auto['sequences']} slots (predicted "
+              f"{auto['predicted_tokens_per_s']:.0f} tokens/s)", file=sys.stderr, flush=True)
     served = "greedy and sampled" if d.sampled else "greedy (the schedule does not sample)"
     print(f"ready in {d.warm_s:.1f} s: {d.programs} programs for {d.slots} slots, "
           f"{served} requests of up to {d.capacity} tokens",

@@ -190,19 +190,20 @@ def load_or_calibrate(model, directory: str | os.PathLike | None = "default",
     measured = calibrate(model, **calibration)
     if path is not None:
         try:
-            _write(path, measured)
+            write_json(path, measured.to_json())
         except OSError as e:   # the measurement still serves this process
             log.warning("could not keep the cost calibration in %s: %s", path.parent, e)
     return measured
 
 
-def _write(path: Path, cost: CostModel) -> None:
-    """Writes atomically (a temporary file in the same folder, then renamed)."""
+def write_json(path: Path, data) -> None:
+    """Writes `data` as JSON atomically (a temporary file in the same folder, then
+    renamed): an interrupted write leaves the old file or none."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(cost.to_json(), f)
+            json.dump(data, f)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

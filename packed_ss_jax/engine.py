@@ -179,6 +179,7 @@ class Engine:
         self._programs = Programs() if programs is None else programs
         self._slot_fns: dict = {}   # the traced functions of each slot-state shape
         self.compile_s = 0.0   # seconds spent compiling, all programs together
+        self._planner = None   # schedule "auto"'s choices (planner.py), made on first use
 
     @classmethod
     def of(cls, model) -> Engine:

@@ -52,6 +52,8 @@ class Family:
     # whose row rows[i] gives the left-to-right distribution of token i (i >= 1), to score
     # it (log-probabilities, the same under every schedule).
     score: Callable[[Any, Any], Any]
+    # (schedule, width, branches) -> the rows of each call of one loop iteration.
+    iteration_rows: Callable[..., tuple[int, ...]]
 
     def width(self, schedule: str, requested: int) -> int:
         """The program's width: the request's, or 1 for the one-token reference."""
@@ -69,7 +71,8 @@ NEMOTRON = Family(
     width_name="block_size", width_symbol="B", min_width=2, width_counts_x=True,
     parse_config=nemotron_config.from_hf, read_weights=nemotron_checkpoint.read,
     adapter_dir=nemotron_checkpoint.LORA_DIR, read_adapter=nemotron_checkpoint.lora_config,
-    build=nemotron_program.build, score=lambda tokens, c: nemotron_layouts.score(tokens))
+    build=nemotron_program.build, score=lambda tokens, c: nemotron_layouts.score(tokens),
+    iteration_rows=nemotron_program.iteration_rows)
 
 SETDLM = Family(
     name="setdlm", title="SetDLM", model_type=setdlm_config.MODEL_TYPE,
@@ -80,7 +83,8 @@ SETDLM = Family(
     parse_config=setdlm_config.from_hf,
     read_weights=setdlm_checkpoint.read, adapter_dir=None, read_adapter=None,
     build=setdlm_program.build,
-    score=lambda tokens, c: setdlm_layouts.score(tokens, c.mask_token_id))
+    score=lambda tokens, c: setdlm_layouts.score(tokens, c.mask_token_id),
+    iteration_rows=setdlm_program.iteration_rows)
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (NEMOTRON, SETDLM)}
 

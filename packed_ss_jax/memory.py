@@ -20,14 +20,14 @@ def state_bytes(config, program, max_new: int) -> tuple[int, int]:
     """What one sequence's decode state needs at least, in bytes: its KV cache, and the
     rest (one call's rows: their hidden states, attention mask and the verified rows'
     logits; the output and, for SetDLM, the per-iteration traces). The largest calls are
-    Quadratic-SS's, about (width + 1)^2 rows, and Branched-SS's, (branches + 1) x width;
-    the others' are about 3 x width."""
+    Quadratic-SS's, about (width + 1)^2 rows, and Branched-SS's, at most (branches + 2) x
+    width + 1; the others' are about 3 x width."""
     c = config
     item = 2 if c.dtype == "bfloat16" else 4
     W, slots = program.width, program.capacity + program.width  # one block of headroom
     kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * slots * item
     rows = {"quadratic": (W + 1) ** 2,
-            "branched": (program.branches + 1) * W}.get(program.schedule, 3 * W + 2)
+            "branched": (program.branches + 2) * W + 1}.get(program.schedule, 3 * W + 2)
     call = rows * (4 * c.hidden_size + slots + rows) + 4 * (W + 1) * c.vocab_size
     out = 4 * slots + (4 * (max_new + 1) * (W + 2) if program.family == "setdlm" else 0)
     return kv, call + out

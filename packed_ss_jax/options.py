@@ -71,6 +71,7 @@ class Request:
     seed: int
     max_new: int
     stop_texts: tuple[str, ...] = ()   # stops given as text, searched for on the host
+    auto: dict | None = None   # schedule "auto": its choice (planner.Choice.summary)
 
     def host_args(self, seed=None) -> tuple:
         """The program's arguments after params, as numpy arrays: padded prompt, its

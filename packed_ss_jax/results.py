@@ -41,6 +41,8 @@ class DecodeResult:
     # text[:stop_at] is the output without it.
     stop_at: int | None = None
     branches: int = 1        # Branched-SS's k (1 for every other schedule)
+    # schedule "auto": what it chose and the tokens/s it predicted (None otherwise).
+    auto: dict | None = None
 
     @property
     def width(self) -> int:
@@ -123,4 +125,4 @@ def of_outcome(model, family, request: Request, out: dict, wall_s: float,
         accept_hist=np.asarray(out["accept_hist"]), wall_s=wall_s, compile_s=compile_s,
         schedule=p.schedule, prompt_len=len(request.prompt), drafts=W, text=text,
         family=family.name, order=p.order, finish_reason=finish, stop_at=stop_at,
-        branches=p.branches, **widths, **_setdlm_trace(out, iters))
+        branches=p.branches, auto=request.auto, **widths, **_setdlm_trace(out, iters))

@@ -328,9 +328,10 @@ class Checked:
 DEFAULT_BRANCHES = 2   # the zero-accepted branch and the all-accepted one
 
 
-def branches(value, schedule: str, width: int) -> int:
-    """Branched-SS's k: 1 <= k <= B (one branch per outcome of the B - 1 drafts, the
-    zero-accepted one among them); given for another schedule, an error."""
+def branches(value, schedule: str, width: int, width_name: str = "block_size") -> int:
+    """Branched-SS's k: 1 <= k <= the width (Nemotron: one branch per outcome of the B - 1
+    drafts, the zero-accepted one among them; SetDLM: per outcome that leaves a rank of
+    the W to draft); given for another schedule, an error."""
     if schedule != "branched":
         if value is not None:
             raise InputError(f"branches applies to schedule 'branched' only, not {schedule!r}")
@@ -338,7 +339,7 @@ def branches(value, schedule: str, width: int) -> int:
     if value is None:
         return min(DEFAULT_BRANCHES, width)
     return integer(value, "branches", 1, width, f"at most one per acceptance outcome: "
-                                                f"block_size {width}")
+                                                f"{width_name} {width}")
 
 
 def decode_options(family, config, options) -> Checked:
@@ -356,4 +357,4 @@ def decode_options(family, config, options) -> Checked:
     max_new = integer(o.max_new_tokens, "max_new_tokens", 1, MAX_CACHE,
                       "prompt + max_new_tokens must fit the cache, whose positions are int32")
     return Checked(s, width, max_new, eos_id(o.eos_id, config, config.vocab_size),
-                   branches(o.branches, o.schedule, width))
+                   branches(o.branches, o.schedule, width, family.width_name))

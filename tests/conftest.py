@@ -52,6 +52,9 @@ def run_compile_cache(tmp_path_factory):
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["PACKED_SS_COMPILE_CACHE"] = str(path)
     compile_cache.set_compile_cache(path)
+    # Schedule auto's calibrations (cost.py, planner.py) go to the run's folder too, never
+    # to the user's.
+    os.environ["PACKED_SS_COST_DIR"] = str(path.parent / "cost")
     yield path
 
 

@@ -37,6 +37,8 @@ SLOW: dict[str, tuple[str, tuple[str, ...] | None]] = {
         ("a chi-square law beyond one per family", None),
     "test_setdlm_sampling.py::test_follows_serial_distribution":
         ("a chi-square law per schedule and sampler; Packed at T=1 stays", ("packed-T=1",)),
+    "test_setdlm_sampling.py::test_branched_follows_serial_distribution":
+        ("a chi-square law per number of branches", None),
     "test_setdlm_sampling.py::test_always_accept_is_caught": ("the law test's power", None),
     "test_setdlm_sampling.py::test_temperature_zero_is_greedy":
         ("one program per schedule", ("packed",)),
@@ -153,6 +155,13 @@ SLOW: dict[str, tuple[str, tuple[str, ...] | None]] = {
         ("a server process under concurrent clients (the script's --help stays)", None),
     "test_scripts.py::test_stream_overhead":
         ("streamed against one-shot decodes, timed (the script's --help stays)", None),
+    "test_scripts.py::test_auto":
+        ("every candidate of a width, calibrated and timed in rounds (the script's --help "
+         "stays)", None),
+    "test_auto.py::test_setdlm_on_auto_is_exact_and_refuses_another_order":
+        ("SetDLM's candidates calibrated (Nemotron's stay)", None),
+    "test_auto.py::test_a_server_on_auto_decodes_with_its_choice_and_reports_it":
+        ("a server's programs, compiled before it listens", None),
     "test_scripts.py::test_roofline":
         ("the roofline's compiled programs (the script's --help stays)", None),
     "test_scripts.py::test_real_size_end_to_end":

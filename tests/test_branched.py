@@ -87,6 +87,10 @@ def test_the_command_line_takes_branches(capsys):
     assert cli.main(argv + ["--schedule", "all", "--branches", "5"]) == 2
     err = capsys.readouterr()
     assert "branches 5 is too large" in err.err and "|" not in err.out
+    # SetDLM: --branches goes to its Branched-SS alone, whose k is at most W
     assert cli.main(["generate", "12+34=", "--model", "setdlm-tiny", "--schedule", "all",
-                     "--branches", "2"]) == 2
-    assert "SetDLM models do not have" in capsys.readouterr().err
+                     "--window", "4", "--max-new-tokens", "6", "--branches", "2"]) == 0
+    assert "| branched (W=4, k=2) |" in capsys.readouterr().out
+    assert cli.main(["generate", "12+34=", "--model", "setdlm-tiny", "--schedule", "branched",
+                     "--window", "4", "--branches", "5"]) == 2
+    assert "at most one per acceptance outcome: window 4" in capsys.readouterr().err

@@ -29,10 +29,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # benchmarks), and runs `test_help` for every script.
 SMOKE = {
     "benchmarks.attention_timing": ["test_scripts.py::test_attention_timing"],
+    "benchmarks.auto": ["test_scripts.py::test_auto"],
     "benchmarks.branches": ["test_scripts.py::test_branches"],
     "benchmarks.batch_throughput":
         ["test_benchmarks.py::test_batching_benchmarks_run_on_short_queues"],
     "benchmarks.checkpoint_cost": ["test_scripts.py::test_checkpoint_cost"],
+    "benchmarks.cost_check": ["test_scripts.py::test_cost_check"],
     "benchmarks.continuous_batching":
         ["test_benchmarks.py::test_batching_benchmarks_run_on_short_queues"],
     "benchmarks.gpu_timing": ["test_benchmarks.py::test_gpu_timing_calls_at_several_block_sizes",
@@ -152,11 +154,43 @@ def test_branches(tmp_path, capsys):
     out = tmp_path / "branches.json"
     assert branches.main(["--blocks", "3", "--prompts", "2", "--max-new-tokens", "12",
                           "--json", str(out)]) == 0
-    assert "| 3 | branched | 3 | 12 |" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "| nld-tiny | B=3 | branched | 3 | 12 |" in text
+    assert "| setdlm-tiny | W=3 | branched | 3 | 16 |" in text
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["schedule"], r["branches"]) for r in rows] == [
-        ("packed", None), ("branched", 1), ("branched", 2), ("branched", 3), ("quadratic", None)]
-    assert rows[0]["tokens_per_nfe"] == rows[1]["tokens_per_nfe"]   # k = 1 is Packed-SS
+    for model in ("nld-tiny", "setdlm-tiny"):
+        ours = [r for r in rows if r["model"] == model]
+        assert [(r["schedule"], r["branches"]) for r in ours] == [
+            ("packed", None), ("branched", 1), ("branched", 2), ("branched", 3),
+            ("quadratic", None)]
+        assert ours[0]["tokens_per_nfe"] == ours[1]["tokens_per_nfe"]   # k = 1 is Packed-SS
+
+
+def test_auto(tmp_path, capsys):
+    from benchmarks import auto
+
+    out = tmp_path / "auto.json"
+    assert auto.main(["--models", "nld-tiny", "--width", "4", "--prompts", "2",
+                      "--calibration", "2", "--rounds", "1", "--max-new-tokens", "8",
+                      "--batches", "1,2", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| auto |" in text and "| packed B=4 |" in text and "auto chose" in text
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["candidates"] == 5 and run["calibration_s"] > 0
+    assert [r["batch"] for r in run["rows"]] == [1, 2]
+    assert all(r["auto_choices"] and r["auto_vs_best"] > 0 for r in run["rows"])
+
+
+def test_cost_check(tmp_path, capsys):
+    from benchmarks import cost_check, gpu_timing
+
+    assert gpu_timing.main(["--smoke", "--cache-lengths", "64", "--repeat", "1"]) == 0
+    measured = tmp_path / "timing.md"
+    measured.write_text(capsys.readouterr().out)
+    assert cost_check.main(["--smoke", "--measured", str(measured)]) == 0
+    out = capsys.readouterr().out
+    assert "| packed (8 rows) | 8 |" in out and "predicted / measured" in out
+    assert "| branched B=8 k=2 |" in out and "auto at batch 8: " in out
 
 
 def test_lm_eval_serving(tmp_path, capsys):

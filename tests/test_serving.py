@@ -434,7 +434,8 @@ def test_memory_stays_flat_over_hundreds_of_varied_requests(client):
 
 @pytest.mark.parametrize("name,schedule,shape", [("setdlm-tiny", "packed", None),
                                                   ("setdlm-tiny", "native", None),
-                                                  ("nld-tiny", "branched", {"branches": 3})])
+                                                  ("nld-tiny", "branched", {"branches": 3}),
+                                                  ("setdlm-tiny", "branched", {"branches": 2})])
 def test_other_schedules_serve_greedy_and_sampled_requests_in_one_state(name, schedule, shape):
     """SetDLM's slots, and Branched-SS's, run the sampled program (greedy requests at
     temperature 0); SetDLM's native decoder decodes greedily only, so there the slots run

@@ -64,7 +64,8 @@ def _decode(case, **kw):
 # --- LTR: every schedule returns the serial one-token-at-a-time greedy output ------------
 
 @pytest.mark.parametrize("schedule,window", [("serial", 1), ("linear", W), ("quadratic", W),
-                                             ("packed", 1), ("packed", W), ("packed", 6)])
+                                             ("packed", 1), ("packed", W), ("packed", 6),
+                                             ("branched", W), ("branched", 6)])
 @PROPERTY
 @given(case=cases)
 def test_ltr_is_the_serial_greedy_output(schedule, window, case):
@@ -79,16 +80,35 @@ def test_ltr_is_the_serial_greedy_output(schedule, window, case):
 # --- any order: the serial reference of Proposition C.1 for the schedule's own orders ----
 
 @pytest.mark.parametrize("schedule,window", [("linear", W), ("quadratic", W), ("packed", W),
-                                             ("packed", 6)])
+                                             ("packed", 6), ("branched", W)])
 @PROPERTY
 @given(case=cases)
 def test_confidence_order_is_the_serial_reference(schedule, window, case):
     r = _decode(case, schedule=schedule, window=window, order="confidence")
     model = tiny_setdlm(case["seed"])
+    # Branched-SS's scores come from Packed-SS's R or Quadratic-SS's branch, whichever
+    # drafted: its orders are checked as orders of the window, its tokens as the reference's.
     want = serial_any_order(model, case["prompt"], case["length"], _markers(case), window, r,
-                            policy=schedule)
+                            policy=None if schedule == "branched" else schedule)
     assert r.tokens == want
     assert r.orders[0] == sorted(r.orders[0])  # no scores yet: textual order (E.6)
+
+
+@pytest.mark.parametrize("order", ["ltr", "confidence"])
+def test_branched_is_exact_for_every_number_of_branches(order):
+    """k = 1 is Packed-SS's program, k = W gives every outcome but the last a branch."""
+    for seed, prompt in [(0, [6, 2]), (1, [3, 5, 7, 2, 9, 4]), (2, [5, 5, 5, 1, 2])]:
+        model = tiny_setdlm(seed)
+        packed = ps.decode(model, prompt, schedule="packed", window=W, order=order,
+                           max_new_tokens=20, eos_id=None, cache_size=CACHE)
+        for k in range(1, W + 1):
+            r = ps.decode(model, prompt, schedule="branched", branches=k, window=W, order=order,
+                          max_new_tokens=20, eos_id=None, cache_size=CACHE)
+            assert r.tokens == serial_any_order(model, prompt, 20, [], W, r), (seed, k)
+            if order == "ltr":
+                assert r.tokens == packed.tokens
+            if k == 1:
+                assert (r.nfe, r.orders, r.rows) == (packed.nfe, packed.orders, packed.rows)
 
 
 def test_confidence_order_changes_the_verification_order():

@@ -67,10 +67,10 @@ def exact_law(s: Sampler, eos=None):
     return law
 
 
-def draw(schedule, s: Sampler, eos=None):
+def draw(schedule, s: Sampler, eos=None, window=W, **kw):
     tok, E, _ = sample_many(MODEL, PROMPT, SEED0 + np.arange(N), schedule=schedule,
-                            window=W, max_new_tokens=L, eos_id=eos, cache_size=CAPACITY,
-                            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+                            window=window, max_new_tokens=L, eos_id=eos, cache_size=CAPACITY,
+                            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, **kw)
     return [tuple(row[:k]) for row, k in zip(tok.tolist(), E.tolist())]
 
 
@@ -101,6 +101,21 @@ def test_follows_serial_distribution(laws, schedule, setting):
     p = chi_square(samples, law)
     print(f"chi-square p-value {schedule:9s} {setting}: {p:.4f}")
     assert p > ALPHA
+
+
+@pytest.mark.parametrize("branches,window", [(2, 3), (3, 4)])
+def test_branched_follows_serial_distribution(laws, branches, window):
+    """Branched-SS at T=1. W = 3, k = 2: in the second iteration the window holds two
+    drafts and three ranks, and branch h = 1 drafts the third rank, which the third call
+    verifies within the L = 4 tokens. W = 4, k = 3: branches h = 2 and h = 1, the second
+    one's draft verified within the four tokens. The law is the serial one, and the draws
+    differ from Packed-SS's with the same seeds (the branches' drafts are used)."""
+    s = SETTINGS["T=1"][0]
+    samples = draw("branched", s, window=window, branches=branches)
+    p = chi_square(samples, laws["T=1"])
+    print(f"chi-square p-value branched W={window} k={branches}: {p:.4f}")
+    assert p > ALPHA
+    assert samples != draw("packed", s, window=window)
 
 
 def test_always_accept_is_caught(laws, monkeypatch):

@@ -98,14 +98,19 @@ def steps(smoke: bool, out: Path) -> list[Step]:
                 "--dtype", "bfloat16", "--json", str(out / "batching.json")] + (
         ["--sizes", "2", "--prompts", "2", "--max-new-tokens", "8"] if smoke else
         ["--sizes", "1,8,32", "--prompts", "64"])
+    # The cost model calibrated at the same shape, against step 1's measured calls.
+    cost_model = [py, "-m", "benchmarks.cost_check", "--measured", str(out / "timing.md")] + (
+        ["--smoke"] if smoke else ["--shape", "8B", "--dtype", "bfloat16", "--cache", "1024"])
     return [
         Step("timing", "8B row buffers in bf16: time per call against the weight-streaming "
-             "bound", 150, timing),
-        Step("products", "8B weight products alone, by rows", 60, products),
+             "bound", 140, timing),
+        Step("cost", "the cost model at 8B against the timed calls, and auto's choice there",
+             60, cost_model),
+        Step("products", "8B weight products alone, by rows", 50, products),
         Step("bench", "embedded model's bench in bf16: AR, Linear-SS, Quadratic-SS, Packed-SS",
-             110, bench, json=True),
-        Step("parity", "fixture parity in float32 (highest) and bf16", 80, parity, pytest=True),
-        Step("batching", "AR and Packed-SS throughput by batch size, bf16", 60, batching,
+             90, bench, json=True),
+        Step("parity", "fixture parity in float32 (highest) and bf16", 70, parity, pytest=True),
+        Step("batching", "AR and Packed-SS throughput by batch size, bf16", 50, batching,
              json=True),
     ]
 

@@ -26,6 +26,13 @@ SCHEDULES = {
 }
 
 
+def iteration_rows(schedule: str, B: int, branches: int = 1) -> tuple[int, ...]:
+    """The rows of each call of one loop iteration (the static shapes the layouts build:
+    what a call costs, however few of its rows are live)."""
+    return {"ar": (1,), "linear": (B, B), "packed": (2 * B,), "quadratic": (B * (B + 1),),
+            "branched": ((branches + 1) * B,)}[schedule]
+
+
 def build(m, program) -> Loop:
     """The decode loop of one program; `program.width` is the block size B (1 for AR)."""
     first, step = SCHEDULES[program.schedule]

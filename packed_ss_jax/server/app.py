@@ -15,7 +15,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import chat, validate
+from ..acceptance import Candidate
+from ..engine import Engine
 from ..http_guard import Guard, Limits, error_body
+from ..options import DecodeOptions
+from ..planner import AUTO, Planner
 from ..validate import InputError
 from . import errors, formats
 from .errors import APIError, Scrubber
@@ -39,8 +43,16 @@ def create_app(model, name: str, *, schedule: str = "packed", width: dict | None
     limits = limits or Limits()
     if max_model_len is None:
         max_model_len = min(model.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    auto = None
+    if schedule == AUTO:
+        schedule, width, auto = _auto(model, width, max_model_len, slots)
     defaults = dict(schedule=schedule, **(width or {}), cache_size=max_model_len)
     service = Service(model, name, defaults, limits, slots, steps, max_queue)
+    p = service.decoder.program
+    family = Engine.of(model).family
+    service.decoder.metrics.schedule_in_use(
+        Candidate(p.schedule, p.width, p.branches).label(family),
+        None if auto is None else auto["predicted_tokens_per_s"])
     docs = dict(docs_url="/docs", redoc_url=None, openapi_url="/openapi.json") if limits.docs \
         else dict(docs_url=None, redoc_url=None, openapi_url=None)
     app = FastAPI(title="packed-ss", lifespan=service.lifespan,
@@ -50,6 +62,7 @@ def create_app(model, name: str, *, schedule: str = "packed", width: dict | None
                            allow_methods=["GET", "POST"],
                            allow_headers=["authorization", "content-type"])
     app.state.decoder, app.state.preparer = service.decoder, service.preparer
+    app.state.auto = auto
     app.add_api_route("/health", service.health, methods=["GET"])
     app.add_api_route("/metrics", service.metrics, methods=["GET"])
     app.add_api_route("/v1/models", service.models, methods=["GET"])
@@ -60,6 +73,18 @@ def create_app(model, name: str, *, schedule: str = "packed", width: dict | None
     app.add_api_route("/tokenizer_info", service.tokenizer_info, methods=["GET"])
     app.add_api_route("/v1/chat/completions", service.chat_completions, methods=["POST"])
     return Guard(app, limits, service.decoder.expired)
+
+
+def _auto(model, width: dict | None, max_model_len: int, slots: int):
+    """Schedule "auto" for a server: the candidate predicted fastest with every slot
+    busy on caches of `max_model_len` (a width or branches given keep that width or k);
+    its schedule, its shape, and the choice's record."""
+    engine = Engine.of(model)
+    options = DecodeOptions(schedule=AUTO, cache_size=max_model_len, max_new_tokens=1,
+                            **(width or {}))
+    choice = Planner.of(engine).choose(options, prompt_len=1, sequences=slots)
+    shape = choice.candidate.options(engine.family)
+    return shape.pop("schedule"), shape, choice.summary(engine.family)
 
 
 DEFAULT_MAX_MODEL_LEN = 4096

@@ -31,6 +31,11 @@ class Metrics:
         Gauge("packed_ss_slots_busy", "slots decoding a request",
               registry=r).set_function(busy)
         Gauge("packed_ss_slots", "slots in all", registry=r).set(slots)
+        self.schedule = Gauge("packed_ss_schedule", "the schedule decoding (1), with its "
+                              "width and branches", ["schedule"], registry=r)
+        self.predicted = Gauge("packed_ss_auto_predicted_tokens_per_second", "schedule auto: "
+                               "the tokens/s its choice was predicted to make with every slot "
+                               "busy (0: the schedule was given)", registry=r)
         self.ttft = Histogram("packed_ss_time_to_first_token_seconds", "from a request's "
                               "arrival at the decoder to its first token's hand-out",
                               buckets=_TTFT_BUCKETS, registry=r)
@@ -46,6 +51,10 @@ class Metrics:
         self.forward_calls.inc(result.nfe)
         if first_token_s is not None and n > 1:
             self.tpot.observe(max(wall_s - first_token_s, 0.0) / (n - 1))
+
+    def schedule_in_use(self, label: str, predicted_tokens_per_s: float | None) -> None:
+        self.schedule.labels(label).set(1)
+        self.predicted.set(predicted_tokens_per_s or 0.0)
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)

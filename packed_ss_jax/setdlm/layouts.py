@@ -85,6 +85,35 @@ def quadratic(n, pend_tok, pend_out, pend_n, w: Window, drafts, mask_id: int) ->
     return _call(tokens, positions, mask)
 
 
+def branch_outcomes(w: Window, branches: int):
+    """The acceptance outcomes given a branch besides Packed-SS's zero-accepted R: every
+    draft of the window accepted (h = kappa, the leading drafted ranks), then one fewer,
+    and so on (branches - 1 of them; below 0: unused). An outcome h leaves ranks to draft
+    only if h + 1 < u (h accepted and the correction), so they start at most at u - 2."""
+    return (jnp.minimum(w.kappa, w.u - 2) - jnp.arange(branches - 1)).astype(jnp.int32)
+
+
+def branched(n, pend_tok, pend_out, pend_n, w: Window, drafts, mask_id: int,
+             branches: int) -> Call:
+    """Branched-SS: Packed-SS's `[N | O | M | R]`, then for each outcome h of
+    `branch_outcomes` (h drafts accepted) W queries, one per rank, seeing N, the drafted
+    O_s with s < h (what M_h sees) and themselves: Quadratic-SS's branch h. 1 + 3W +
+    (branches - 1)W rows; branches = 1 is Packed-SS's call."""
+    base = packed(n, pend_tok, pend_out, pend_n, w, drafts, mask_id)
+    W, G = w.out.shape[0], branches - 1
+    if G == 0:
+        return base
+    h = jnp.maximum(branch_outcomes(w, branches), 0)            # unused groups: anywhere
+    sees_o = jnp.repeat(_earlier_drafts(w)[h], W, axis=0)      # [G*W, W]: M_h's view of O
+    sees_n = jnp.tile((w.active & (pend_n > 0))[:, None], (G, 1))
+    rows = jnp.concatenate([sees_n, sees_o, jnp.zeros((G * W, 2 * W), bool),
+                            jnp.eye(G * W, dtype=bool)], axis=1)
+    mask = jnp.concatenate([jnp.pad(base.mask, ((0, 0), (0, G * W))), rows])
+    tokens = jnp.concatenate([base.tokens, jnp.full(G * W, mask_id, jnp.int32)])
+    positions = jnp.concatenate([base.positions, jnp.tile(n + w.out, G)])
+    return _call(tokens, positions, mask)
+
+
 def draft(n, pend_tok, pend_out, pend_n, w: Window, mask_id: int) -> Call:
     """Linear-SS drafting call `[N | R]`, 1 + W rows (pend_n + u used)."""
     W = w.out.shape[0]

@@ -9,6 +9,8 @@ so they never recompile.
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 
 from .. import cache as cache_lib
@@ -49,9 +51,19 @@ def prompt_call(m, params, prompt, n, *, program, max_new, stop_tok, stop_len, s
         trace_fed=jnp.zeros(iters, jnp.int32), **sampled)
 
 
+def iteration_rows(schedule: str, W: int, branches: int = 1) -> tuple[int, ...]:
+    """The rows of each call of one loop iteration (the static shapes the layouts build:
+    what a call costs, however few of its rows are live)."""
+    return {"serial": (2,), "native": (2 * W,), "linear": (1 + W, 2 * W),
+            "packed": (1 + 3 * W,), "quadratic": (1 + 2 * W + W * W,),
+            "branched": (1 + (2 + branches) * W,)}[schedule]
+
+
 def build(m, program) -> Loop:
     """The decode loop of one program (see the module doc)."""
     step = SCHEDULES[program.schedule]
+    if program.schedule == "branched":
+        step = functools.partial(step, branches=program.branches)
 
     def init(params, prompt, n, limits, key):
         sampler = program.sampling.bind(limits["temperature"], limits["top_p"])

@@ -10,6 +10,8 @@ native     the release's threshold decoder: commit the most confident proposal a
 linear     draft `[N | R]` from the newest prefix, then verify `[O | M]` (2 NFE).
 quadratic  `[N | O | M | branches]`: verify and draft every acceptance outcome (1 NFE).
 packed     `[N | O | M | R]`: verify D_{t-1} and draft from P_{t-1} in one call.
+branched   Packed-SS's call plus Quadratic-SS's branches for the k - 1 most accepted
+           outcomes (beyond the paper; docs/branched.md).
 
 Greedy (temperature 0): predictions are argmax with the MASK logit excluded, a draft is
 accepted when it equals the verifier's argmax, in the window's order (LTR or confidence).
@@ -31,6 +33,8 @@ depend on the drafts.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax.numpy as jnp
 
@@ -161,6 +165,28 @@ def quadratic(m, params, s: State, *, W: int, order: str, sampler: Sampler) -> S
     return finish(s, w, first_ranks(w, A), A, 1, rows, rows, verifier=logits[:W], drafter=branch)
 
 
+def branched(m, params, s: State, *, W: int, order: str, sampler: Sampler,
+             branches: int) -> State:
+    """Packed-SS plus Quadratic-SS's branches for the `branches - 1` most accepted
+    outcomes (layouts.branched): the branch of the outcome the verification reaches
+    drafts the next ranks; without one, Packed-SS's R does."""
+    layout = functools.partial(layouts.branched, branches=branches)
+    s, w, pend_n, logits, kv, h, v, k_draft = _one_call(m, params, s, W, order, sampler,
+                                                   layout, W * branches)  # M, R, branches
+    A = jnp.minimum(h + 1, w.u)
+    # Which branch matches is decided by this call's verification alone, so the next
+    # drafts' Q is fixed before the next call verifies them (the argument of App. E.4).
+    hit = layouts.branch_outcomes(w, branches) == h
+    group = jnp.where(jnp.any(hit), 1 + jnp.argmax(hit), 0) if branches > 1 else 0
+    drafter = logits[W:].reshape(branches, W, -1)[group]
+    z, score, q = _propose(drafter, sampler, m.mask_id, k_draft)
+    s = _verified(s, w, v, h, kv, pend_n, A)
+    s = _store(s, w, z, score, q, A)
+    rows = pend_n + (2 + branches) * w.u
+    return finish(s, w, first_ranks(w, A), A, 1, rows, rows, verifier=logits[:W],
+                  drafter=drafter)
+
+
 def linear(m, params, s: State, *, W: int, order: str, sampler: Sampler) -> State:
     s, (k_verify, k_draft) = sampling.next_keys(s, 2, sampler)
     # The order is fixed before the drafting call, from last iteration's verifier scores.
@@ -225,6 +251,6 @@ def serial(m, params, s: State, *, W: int, order: str, sampler: Sampler) -> Stat
 
 
 SCHEDULES = {"serial": serial, "native": native, "linear": linear, "quadratic": quadratic,
-             "packed": packed}
+             "packed": packed, "branched": branched}
 # Schedules that sample (temperature > 0); "native" is the release's greedy decoder.
-SAMPLED = ("serial", "linear", "quadratic", "packed")
+SAMPLED = ("serial", "linear", "quadratic", "packed", "branched")

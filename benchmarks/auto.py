@@ -1,0 +1,151 @@
+"""`schedule="auto"` against every fixed candidate it chooses from, on this device: for
+each embedded model, at batch 1 (prompts decoded one at a time) and batch 8 (prompts
+decoded eight per call), tokens per second of every candidate (schedule, width, k) and
+of `auto`, interleaved over `--rounds` rounds (each round runs every setting once, in
+an order that rotates; the median round is reported). Every output is checked against
+the reference schedule's (greedy: token for token).
+
+`auto` is calibrated first in an empty folder (the cost model's forwards, then each
+candidate decoding `--calibration` held-out prompts of the task, drawn apart from the
+measured ones); its calibration time is reported, and so are the choices it made.
+
+    python -m benchmarks.auto --json benchmarks/results/auto_cpu.json
+    python -m benchmarks.auto --models nld-tiny --width 4 --prompts 2 --calibration 2 \
+        --rounds 1 --max-new-tokens 8 --batches 1,2          # a check
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import packed_ss_jax as ps
+from packed_ss_jax.arguments import int_at_least, ints_at_least
+from packed_ss_jax.engine import Engine
+from packed_ss_jax.planner import Planner, default_candidates
+from packed_ss_jax.training import corpus
+
+AUTO = "auto"
+
+
+def _arguments(argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.auto",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="nld-tiny,setdlm-tiny")
+    p.add_argument("--batches", type=ints_at_least(1), default="1,8")
+    p.add_argument("--prompts", type=int_at_least(1), default=16,
+                   help="held-out arithmetic prompts measured")
+    p.add_argument("--calibration", type=int_at_least(1), default=8,
+                   help="held-out arithmetic prompts (another seed) auto calibrates on")
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=128)
+    p.add_argument("--rounds", type=int_at_least(1), default=3)
+    p.add_argument("--width", type=int_at_least(1), default=None,
+                   help="only the candidates of this width (B or W; default: every one)")
+    p.add_argument("--json", help="write the results here")
+    return p.parse_args(argv)
+
+
+def _decode(model, prompts, batch: int, options: dict, max_new: int):
+    """The prompts decoded `batch` at a time: (results, decoder seconds, compile seconds)."""
+    results, wall, compile_s = [], 0.0, 0.0
+    for i in range(0, len(prompts), batch):
+        group = prompts[i: i + batch]
+        out = ps.decode(model, group if batch > 1 else group[0], max_new_tokens=max_new,
+                        **options)
+        out = out if batch > 1 else [out]
+        results += out
+        wall += out[0].wall_s if batch > 1 else sum(r.wall_s for r in out)
+        compile_s += out[0].compile_s
+    return results, wall, compile_s
+
+
+def measure_model(name: str, args) -> dict:
+    model = ps.load(name)
+    engine = Engine.of(model)
+    family = engine.family
+    prompts = [p.prompt for p in corpus.arithmetic_test(args.prompts)]
+    calibration = [p.prompt for p in corpus.arithmetic_test(args.calibration, seed=1)]
+    with tempfile.TemporaryDirectory() as folder:
+        planner = Planner(engine, directory=folder, candidates=default_candidates(
+            family, args.width) if args.width else None).attach()
+        t0 = time.perf_counter()
+        planner.calibrate(calibration)
+        calibration_s = time.perf_counter() - t0
+    print(f"{name}: calibrated in {calibration_s:.1f} s (cost model "
+          f"{planner.cost.calibration_s:.1f} s)", file=sys.stderr, flush=True)
+    settings = {c.label(family): c.options(family) for c in planner.candidates}
+    settings[AUTO] = {"schedule": AUTO}
+    reference = _decode(model, prompts, 1, {"schedule": family.reference},
+                        args.max_new_tokens)[0]
+    want = [r.tokens for r in reference]
+    rows = []
+    for batch in args.batches:
+        speeds = collections.defaultdict(list)
+        choices = collections.Counter()
+        labels = list(settings)
+        for rnd in range(args.rounds + 1):   # round 0 compiles and is not counted
+            shift = rnd % len(labels)
+            for label in labels[shift:] + labels[:shift]:
+                results, wall, _ = _decode(model, prompts, batch, settings[label],
+                                           args.max_new_tokens)
+                if [r.tokens for r in results] != want:
+                    raise SystemExit(f"{name} {label} batch {batch}: tokens differ from "
+                                     f"{family.reference}'s")
+                if label == AUTO:
+                    choices.update(r.auto["label"] for r in results[::batch])
+                if rnd:
+                    speeds[label].append(sum(len(r.tokens) for r in results) / wall)
+            print(f"{name} batch {batch}: round {rnd} done", file=sys.stderr, flush=True)
+        median = {k: statistics.median(v) for k, v in speeds.items()}
+        best = max((k for k in median if k != AUTO), key=median.get)
+        rows.append({"model": name, "batch": batch, "tokens_per_s": median,
+                     "rounds": dict(speeds), "best_fixed": best,
+                     "auto_vs_best": median[AUTO] / median[best],
+                     "auto_choices": dict(choices)})
+        print(f"{name} batch {batch}: auto {median[AUTO]:.0f} tokens/s, best fixed {best} "
+              f"{median[best]:.0f} ({rows[-1]['auto_vs_best']:.3f}x); auto chose "
+              f"{dict(choices)}", file=sys.stderr, flush=True)
+    return {"model": name, "calibration_s": calibration_s,
+            "cost_calibration_s": planner.cost.calibration_s,
+            "candidates": len(planner.candidates), "rows": rows,
+            "acceptance": [{**r, "candidate": r["candidate"].label(family)}
+                           for r in planner.acceptance.table()]}
+
+
+def markdown(runs: list[dict]) -> str:
+    out = []
+    for run in runs:
+        out.append(f"\n{run['model']}: auto calibrated in {run['calibration_s']:.1f} s "
+                   f"(cost model {run['cost_calibration_s']:.1f} s; {run['candidates']} "
+                   "candidates)\n")
+        batches = [r["batch"] for r in run["rows"]]
+        out.append("| setting | " + " | ".join(f"batch {b} tokens/s" for b in batches) + " |")
+        out.append("|---|" + "---|" * len(batches))
+        for label in run["rows"][0]["tokens_per_s"]:
+            cells = [f"{r['tokens_per_s'][label]:.0f}" for r in run["rows"]]
+            out.append(f"| {label} | " + " | ".join(cells) + " |")
+        for r in run["rows"]:
+            out.append(f"\nbatch {r['batch']}: best fixed {r['best_fixed']}; auto "
+                       f"{r['auto_vs_best']:.3f}x of it; auto chose {r['auto_choices']}")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    args = _arguments(argv)
+    os.environ.setdefault("PACKED_SS_MAX_PROGRAMS", "96")   # every candidate stays compiled
+    runs = [measure_model(m, args) for m in args.models.split(",")]
+    print(markdown(runs))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,145 @@
+"""How many tokens a schedule makes per loop iteration on the loaded model: the
+acceptance side of `schedule="auto"` (planner.py), beside the cost side (cost.py).
+
+A schedule at a width (and, for Branched-SS, a number of branches) is a `Candidate`.
+`AcceptanceModel` keeps, per candidate and per kind of decoding (greedy or sampled:
+sampling accepts fewer drafts), the tokens and loop iterations of the decodes it was
+shown together with their accepted-length histograms: a prior from calibration decodes
+(weighted as `PRIOR_ITERATIONS` iterations, so that the decodes that follow soon
+outweigh it), then every decode run with the candidate (running). The expected tokens
+per iteration is their ratio.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import numpy as np
+
+PRIOR_ITERATIONS = 256   # what a calibration weighs against the running decodes
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Candidate:
+    """One exact schedule at one width: B for Nemotron (1 for AR), W for SetDLM (1 for
+    serial); `branches` is Branched-SS's k (1 otherwise)."""
+
+    schedule: str
+    width: int
+    branches: int = 1
+
+    def label(self, family) -> str:
+        if self.schedule == family.reference:
+            return self.schedule
+        k = f" k={self.branches}" if self.schedule == "branched" else ""
+        return f"{self.schedule} {family.width_symbol}={self.width}{k}"
+
+    def options(self, family) -> dict:
+        """The `DecodeOptions` fields that select it."""
+        out = {"schedule": self.schedule}
+        if self.schedule != family.reference:
+            out[family.width_name] = self.width
+        if self.schedule == "branched":
+            out["branches"] = self.branches
+        return out
+
+    def to_json(self) -> list:
+        return [self.schedule, self.width, self.branches]
+
+    @classmethod
+    def from_json(cls, data) -> Candidate:
+        schedule, width, branches = data
+        if not isinstance(schedule, str) or not all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in (width, branches)):
+            raise ValueError(f"not a candidate: {data!r}")
+        return cls(schedule, width, branches)
+
+
+@dataclasses.dataclass
+class Tally:
+    """Decodes seen of one candidate: their tokens, loop iterations (the first call
+    included) and summed accepted-length histogram."""
+
+    tokens: float = 0.0
+    iterations: float = 0.0
+    accept_hist: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+
+    def add(self, tokens: float, iterations: float, accept_hist) -> None:
+        self.tokens += tokens
+        self.iterations += iterations
+        h = np.asarray(accept_hist, np.int64)
+        if h.size > self.accept_hist.size:
+            h, self.accept_hist = self.accept_hist, h.copy()
+        self.accept_hist[: h.size] += h
+
+
+class AcceptanceModel:
+    """Expected tokens per iteration per candidate (see the module doc). Thread-safe:
+    decodes on several threads may report to one model."""
+
+    def __init__(self, prior: dict[Candidate, Tally] | None = None,
+                 prior_iterations: float = PRIOR_ITERATIONS):
+        self.prior = dict(prior or {})
+        self.prior_iterations = prior_iterations
+        self.running: dict[tuple[Candidate, bool], Tally] = {}
+        self._lock = threading.Lock()
+
+    def knows(self, candidate: Candidate) -> bool:
+        return candidate in self.prior
+
+    def add_prior(self, candidate: Candidate, tally: Tally) -> None:
+        with self._lock:
+            self.prior[candidate] = tally
+
+    def tokens_per_iteration(self, candidate: Candidate, sampled: bool = False) -> float:
+        """The prior's rate weighted as `prior_iterations` iterations, pooled with the
+        running decodes of this kind; KeyError for a candidate never calibrated."""
+        p = self.prior[candidate]
+        rate = p.tokens / p.iterations
+        with self._lock:
+            r = self.running.get((candidate, sampled), Tally())
+            return (rate * self.prior_iterations + r.tokens) / (self.prior_iterations + r.iterations)
+
+    def observe(self, candidate: Candidate, sampled: bool, results) -> None:
+        """Adds decodes (DecodeResults) run with `candidate` to the running tally."""
+        with self._lock:
+            t = self.running.setdefault((candidate, sampled), Tally())
+            for r in results:
+                t.add(len(r.tokens), r.iterations, r.accept_hist)
+
+    def table(self) -> list[dict]:
+        """Per candidate and kind: the prior's and the running decodes' tokens per
+        iteration, iterations seen and accepted-length histogram."""
+        out = []
+        with self._lock:
+            running = dict(self.running)
+        for c, p in sorted(self.prior.items()):
+            for sampled in (False, True):
+                r = running.get((c, sampled))
+                if r is None and sampled:
+                    continue
+                out.append({"candidate": c, "sampled": sampled,
+                            "prior_tokens_per_iteration": p.tokens / p.iterations,
+                            "iterations": 0 if r is None else r.iterations,
+                            "tokens_per_iteration": self.tokens_per_iteration(c, sampled),
+                            "accept_hist": (p.accept_hist if r is None else r.accept_hist).tolist()})
+        return out
+
+    def prior_json(self) -> list:
+        return [[c.to_json(), t.tokens, t.iterations, t.accept_hist.tolist()]
+                for c, t in sorted(self.prior.items())]
+
+    @classmethod
+    def from_prior_json(cls, data) -> AcceptanceModel:
+        """An AcceptanceModel from `prior_json`'s list; ValueError for anything else."""
+        try:
+            prior = {}
+            for c, tokens, iterations, hist in data:
+                if not (float(tokens) >= 0 and float(iterations) > 0):
+                    raise ValueError(f"a tally of {tokens} tokens in {iterations} iterations")
+                prior[Candidate.from_json(c)] = Tally(float(tokens), float(iterations),
+                                                      np.asarray(hist, np.int64).reshape(-1))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"a malformed acceptance calibration: {e}") from None
+        return cls(prior)

@@ -1,0 +1,361 @@
+"""`schedule="auto"`: the exact schedule, width and branches expected to make the most
+tokens per second for this model on this device, for a request of this size.
+
+A candidate's expected speed is
+
+    sequences x tokens per iteration / sum over the iteration's calls of seconds per call
+
+with tokens per iteration from the acceptance model (acceptance.py: calibration decodes,
+then the decodes run since) and seconds per call from the cost model (cost.py: the
+forward timed at a few row counts and cache sizes). A batch of N sequences is costed as
+calls of N times the rows; on a device that is compute-bound at that size speculation
+stops paying and AR wins, which is how `auto` decides whether to speculate at all.
+
+Every candidate is exact (greedy output equals the reference's, sampled output follows
+its law), so the choice changes speed, never the tokens. A choice is kept until another
+candidate is predicted faster by more than `MARGIN`, so that near-ties do not flip
+between programs (each flip compiles one).
+
+Calibration, on first use of each candidate (kept on disk beside the cost calibration,
+one file per candidate, keyed by the device, the model's shape and a fingerprint of its
+weights, the prompts and the candidate): the cost model's forwards once, then the
+candidate decoding the calibration prompts (by default `DEFAULT_PROMPTS`;
+`Planner.calibrate(prompts)` for a workload's own) as one batch of `CALIBRATION_TOKENS`
+tokens. A request that names a width calibrates only the candidates of that width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+from . import cost as cost_lib
+from . import options as options_lib, validate
+from .acceptance import AcceptanceModel, Candidate, Tally
+from .engine import Engine
+from .options import DecodeOptions
+from .validate import InputError
+
+AUTO = "auto"
+MARGIN = 0.05            # a kept choice yields to one predicted this much faster
+CALIBRATION_TOKENS = 64
+VERSION = 1              # of the acceptance file's layout
+# Short prompts of the kinds the paper measures (a word problem, code, prose), for a
+# model with a tokenizer; a model without one is calibrated on seeded random ids.
+DEFAULT_PROMPTS = (
+    "Question: Mia has 14 pencils. Mia gets 9 more pencils. How many pencils does Mia have "
+    "now?\nAnswer:",
+    "Question: Each of the books costs 6 dollars. Leo buys 4 of them and pays with 30 dollars. "
+    "How much change does Leo get?\nAnswer:",
+    "Question: Noah has 25 stickers, buys 12 more at the market and then uses 8 of them. How "
+    "many stickers does Noah have left?\nAnswer:",
+    "def flatten(items):\n    \"\"\"Return a flat list of the items of nested lists.\"\"\"\n",
+    "def count_words(text):\n    \"\"\"Count how often each word occurs in text.\"\"\"\n",
+    "The module provides functions for working with paths, files and directories, so that",
+    "This section describes how the interpreter reads a program and in which order it",
+    "Question: Zoe has 3 boxes with 7 shells in each box. How many shells does Zoe have?\n"
+    "Answer:",
+)
+# The widths tried: wide enough for a GPU's sweet spot (the paper runs B = 32), narrow
+# enough for a compute-bound device; Quadratic-SS's rows grow with the width's square.
+WIDTHS = {"nemotron": (4, 8, 16, 32), "setdlm": (4, 8, 16)}
+SQUARE_WIDTHS = (4, 8)
+BRANCHED = ((8, 2), (16, 2))   # (B, k)
+
+log = logging.getLogger(__name__)
+
+
+def allows(family, c: Candidate, width: int | None = None, branches: int | None = None,
+           sampled: bool = False) -> bool:
+    """Whether `auto` may decode a request with `c`: the reference always; a speculative
+    schedule if it is exact, samples when the request does, and has the request's width
+    (or k, then it is Branched-SS) where the request gives one."""
+    if c.schedule == family.reference:
+        return True
+    return (c.schedule not in family.inexact and (not sampled or c.schedule in family.sampled)
+            and width in (None, c.width)
+            and (branches is None or (c.schedule == "branched" and c.branches == branches)))
+
+
+def default_candidates(family, width: int | None = None, branches: int | None = None,
+                       sampled: bool = False) -> tuple[Candidate, ...]:
+    """The candidates of a family: its reference and each speculative schedule at
+    `WIDTHS` (Quadratic-SS at `SQUARE_WIDTHS`, Branched-SS at `BRANCHED`), or at the
+    given `width` (and `branches`), those `allows` for such a request."""
+    out = [Candidate(family.reference, 1)]
+    for s in family.schedules:
+        if s == family.reference:
+            continue
+        pairs = (BRANCHED if s == "branched" else
+                 [(w, 1) for w in (SQUARE_WIDTHS if s == "quadratic" else WIDTHS[family.name])])
+        if width is not None:
+            pairs = [(width, k) for _, k in pairs]
+        if branches is not None and s == "branched":
+            pairs = [(w, branches) for w, _ in pairs if branches <= w]
+        out += [Candidate(s, w, k) for w, k in dict.fromkeys(pairs)]
+    return tuple(c for c in out if allows(family, c, width, branches, sampled))
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    candidate: Candidate
+    tokens_per_iteration: float
+    iteration_s: float
+    tokens_per_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What `auto` picked for a request, and why: every feasible candidate's prediction,
+    fastest first."""
+
+    candidate: Candidate
+    predicted_tokens_per_s: float
+    sequences: int
+    sampled: bool
+    predictions: tuple[Prediction, ...]
+
+    def summary(self, family) -> dict:
+        """The result's and the server's record of it."""
+        return {"schedule": self.candidate.schedule, "label": self.candidate.label(family),
+                "predicted_tokens_per_s": self.predicted_tokens_per_s,
+                "sequences": self.sequences, "sampled": self.sampled,
+                "candidates": len(self.predictions)}
+
+
+def fingerprint(params) -> str:
+    """A digest of the weights that tells checkpoints of one shape apart (each array's
+    first elements), without reading them whole; an array split over other processes'
+    devices counts by its shape alone."""
+    h = hashlib.sha256()
+    for path, x in sorted(jax.tree_util.tree_leaves_with_path(params),
+                          key=lambda p: jax.tree_util.keystr(p[0])):
+        h.update(f"{jax.tree_util.keystr(path)}:{x.shape}:{x.dtype}".encode())
+        if x.size and getattr(x, "is_fully_addressable", True):   # else: its shape alone
+            h.update(np.asarray(jax.device_get(x.reshape(-1)[:64]), np.float32).tobytes())
+    return h.hexdigest()[:24]
+
+
+class Planner:
+    """`auto`'s choices for one engine (one loaded model): its cost model, acceptance
+    model and the choices kept so far. `Planner.of(engine)` is the engine's own."""
+
+    def __init__(self, engine: Engine, *, cost: cost_lib.CostModel | None = None,
+                 acceptance: AcceptanceModel | None = None,
+                 candidates: Sequence[Candidate] | None = None,
+                 directory: str | os.PathLike | None = "default"):
+        self.engine = engine
+        self.family = engine.family
+        self.directory = directory
+        self.candidates = tuple(candidates or default_candidates(self.family))
+        self.cost = cost
+        self.acceptance = AcceptanceModel() if acceptance is None else acceptance
+        self.prompts, self.max_new = self._prompts(None), CALIBRATION_TOKENS
+        self.calibration_s = 0.0   # seconds spent calibrating (or reading calibrations)
+        # told (i, n, label) before each candidate a calibration decodes (a command line
+        # prints it)
+        self.progress: Callable[[int, int, str], None] | None = None
+        self._kept: dict[tuple, Candidate] = {}
+        self._weights: str | None = None
+        self._lock = threading.RLock()
+
+    @classmethod
+    def of(cls, engine: Engine) -> Planner:
+        """The planner `schedule="auto"` uses for the engine: made on first use with the
+        defaults, or the one `attach` gave it."""
+        planner = getattr(engine, "_planner", None)
+        return cls(engine).attach() if planner is None else planner
+
+    def attach(self) -> Planner:
+        """Makes this the planner of its engine (its candidates, calibration folder or
+        models instead of the defaults)."""
+        self.engine._planner = self
+        return self
+
+    # --- calibration ----------------------------------------------------------------------
+
+    def _prompts(self, prompts) -> list:
+        if prompts is not None:
+            return list(prompts)
+        if getattr(self.engine.model, "tokenizer", None) is not None:
+            return list(DEFAULT_PROMPTS)
+        rng = np.random.default_rng(0)
+        V = self.engine.model.config.vocab_size
+        return [rng.integers(0, V, 24).tolist() for _ in DEFAULT_PROMPTS]
+
+    def calibrate(self, prompts: Sequence | None = None, max_new_tokens: int = CALIBRATION_TOKENS,
+                  candidates: Sequence[Candidate] | None = None,
+                  progress: Callable[[int, int, str], None] | None = None) -> None:
+        """Measures (or reads back) the cost model and the acceptance prior of
+        `candidates` (default: every candidate; a request calibrates the candidates it
+        may use, on first use): each one's greedy decode of `prompts` (texts or id
+        lists; default `DEFAULT_PROMPTS`), `max_new_tokens` each, as one batch. New
+        prompts replace the prior. `progress(i, n, label)` is told before each
+        candidate decodes."""
+        with self._lock:
+            prompts = self._prompts(prompts)
+            if (prompts, max_new_tokens) != (self.prompts, self.max_new):
+                self.prompts, self.max_new = prompts, max_new_tokens
+                self.acceptance = AcceptanceModel()
+                self._kept.clear()
+            self._ensure(self.candidates if candidates is None else candidates, progress)
+
+    def _ensure(self, wanted, progress=None) -> None:
+        """The cost model and the prior of every candidate of `wanted`: read from their
+        files, else measured and kept."""
+        t0 = time.perf_counter()
+        if self.cost is None:
+            self.cost = cost_lib.load_or_calibrate(self.engine.model, self.directory)
+        missing = [c for c in wanted if not self.acceptance.knows(c)]
+        for i, c in enumerate(missing):
+            path = self._path(c)
+            tally = _read(path, c)
+            if tally is None:
+                if (progress or self.progress) is not None:
+                    (progress or self.progress)(i, len(missing), c.label(self.family))
+                log.info("auto: calibrating %s (%d of %d)", c.label(self.family), i + 1,
+                         len(missing))
+                tally = self._decode(c)
+                _write(path, c, tally)
+            self.acceptance.add_prior(c, tally)
+        self.calibration_s += time.perf_counter() - t0
+
+    def _path(self, c: Candidate) -> Path | None:
+        directory = self.directory
+        if directory == "default":
+            directory = os.environ.get(cost_lib.ENV) or cost_lib.default_dir()
+        if directory is None:
+            return None
+        if self._weights is None:
+            self._weights = fingerprint(self.engine.model.params)
+        text = json.dumps({"key": cost_lib.key_of(self.engine.model), "weights": self._weights,
+                           "prompts": [p if isinstance(p, str) else list(map(int, p))
+                                       for p in self.prompts], "max_new": self.max_new,
+                           "candidate": c.to_json()}, sort_keys=True)
+        return Path(directory) / f"acceptance-{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
+
+    def _decode(self, c: Candidate) -> Tally:
+        engine = self.engine
+        batch = engine.batch(self.prompts, DecodeOptions(**c.options(self.family),
+                                                         max_new_tokens=self.max_new))
+        t = Tally()
+        for r in engine.decode_batch(batch):
+            t.add(len(r.tokens), r.iterations, r.accept_hist)
+        return t
+
+    # --- choosing ---------------------------------------------------------------------------
+
+    def predict(self, c: Candidate, sequences: int, slots: int, sampled: bool) -> Prediction:
+        per_iteration = self.acceptance.tokens_per_iteration(c, sampled)
+        rows = self.family.iteration_rows(c.schedule, c.width, c.branches)
+        seconds = sum(self.cost.call_s(sequences * r, slots) for r in rows)
+        return Prediction(c, per_iteration, seconds, sequences * per_iteration / seconds)
+
+    def choose(self, options: DecodeOptions, prompt_len: int, sequences: int = 1) -> Choice:
+        """The fastest feasible candidate for `sequences` prompts of at most `prompt_len`
+        tokens decoded with `options` (schedule "auto"; a width or branches given keep
+        the candidates of that width or k)."""
+        family, config = self.family, self.engine.model.config
+        width = self._check(options)
+        # Every other option is checked once, on the reference: its errors are the
+        # request's, not a candidate's.
+        reference, _, _ = options_lib.plan(family, config, self.options_for(
+            options, Candidate(family.reference, 1)), prompt_len=prompt_len)
+        sampled = not reference.sampling.greedy
+        feasible = []
+        for c in self.candidates:
+            if not allows(family, c, width, options.branches, sampled):
+                continue
+            o = self.options_for(options, c)
+            try:
+                program, _, _ = options_lib.plan(family, config, o, prompt_len=prompt_len)
+            except InputError:
+                continue
+            feasible.append((c, program.capacity))
+        with self._lock:
+            self._ensure([c for c, _ in feasible])
+        feasible = [self.predict(c, sequences, slots, sampled) for c, slots in feasible]
+        if not feasible:
+            raise InputError(f"schedule 'auto': no candidate schedule fits this request "
+                             f"(tried {', '.join(c.label(family) for c in self.candidates)})")
+        feasible.sort(key=lambda p: -p.tokens_per_s)
+        best = feasible[0]
+        key = (sequences, sampled, width, options.branches)
+        with self._lock:
+            kept = next((p for p in feasible if p.candidate == self._kept.get(key)), None)
+            if kept is not None and best.tokens_per_s <= (1 + MARGIN) * kept.tokens_per_s:
+                best = kept
+            self._kept[key] = best.candidate
+        return Choice(best.candidate, best.tokens_per_s, sequences, sampled, tuple(feasible))
+
+    def _check(self, options: DecodeOptions) -> int | None:
+        """The order, and the width and branches where given (as a schedule that takes
+        them would check them); the width given."""
+        family = self.family
+        if options.order != family.orders[0]:
+            raise InputError(
+                f"schedule 'auto' verifies in order {family.orders[0]!r} only: in another "
+                "order each schedule's output follows its own verification orders, so the "
+                "choice would change the tokens; name the schedule to decode in order "
+                f"{options.order!r}")
+        width = validate.given_width(family, options)
+        if width is not None:
+            width = validate.integer(width, family.width_name, family.min_width,
+                                     validate.MAX_CACHE, "a block must fit the cache")
+        if options.branches is not None:
+            if "branched" not in family.schedules:
+                raise InputError(f"branches applies to schedule 'branched', which "
+                                 f"{family.title} models do not have")
+            validate.branches(options.branches, "branched", width or validate.MAX_CACHE,
+                              family.width_name)
+        return width
+
+    def options_for(self, options: DecodeOptions, c: Candidate) -> DecodeOptions:
+        """`options` with the candidate's schedule, width and branches."""
+        fields = {"block_size": None, "window": None, "branches": None, **c.options(self.family)}
+        return dataclasses.replace(options, **fields)
+
+    def observe(self, results) -> None:
+        """Adds decodes of one "auto" choice (DecodeResults, their `auto` set) to the
+        acceptance model's running tally."""
+        r = results[0]
+        self.acceptance.observe(Candidate(r.schedule, r.width, r.branches), r.auto["sampled"],
+                                results)
+
+
+def _read(path: Path | None, c: Candidate) -> Tally | None:
+    """The prior of `c` kept in `path`; None (and a warning for a file that is there)
+    when there is none to trust: such a file is measured anew and replaced."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or data.get("version") != VERSION:
+            raise ValueError("not an acceptance calibration of this version")
+        prior = AcceptanceModel.from_prior_json(data["prior"]).prior
+        if list(prior) != [c]:
+            raise ValueError(f"not a calibration of {c} alone")
+        return prior[c]
+    except (OSError, ValueError, KeyError) as e:
+        log.warning("%s is not a readable acceptance calibration (%s); measuring anew", path, e)
+        return None
+
+
+def _write(path: Path | None, c: Candidate, tally: Tally) -> None:
+    if path is None:
+        return
+    try:
+        cost_lib.write_json(path, {"version": VERSION,
+                                   "prior": AcceptanceModel({c: tally}).prior_json()})
+    except OSError as e:   # the measurement still serves this process
+        log.warning("could not keep the acceptance calibration in %s: %s", path.parent, e)
