@@ -269,8 +269,9 @@ class Planner:
         width = self._check(options)
         # Every other option is checked once, on the reference: its errors are the
         # request's, not a candidate's.
+        tokenizer = getattr(self.engine.model, "tokenizer", None)
         reference, _, _ = options_lib.plan(family, config, self.options_for(
-            options, Candidate(family.reference, 1)), prompt_len=prompt_len)
+            options, Candidate(family.reference, 1)), prompt_len=prompt_len, tokenizer=tokenizer)
         sampled = not reference.sampling.greedy
         feasible = []
         for c in self.candidates:
@@ -278,7 +279,8 @@ class Planner:
                 continue
             o = self.options_for(options, c)
             try:
-                program, _, _ = options_lib.plan(family, config, o, prompt_len=prompt_len)
+                program, _, _ = options_lib.plan(family, config, o, prompt_len=prompt_len,
+                                                 tokenizer=tokenizer)
             except InputError:
                 continue
             feasible.append((c, program.capacity))

@@ -5,6 +5,7 @@ and decodes through it: exact (greedy equals the reference, sampled equals the c
 schedule with the same seed), the choice in the result, the decodes fed back."""
 
 import json
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -298,6 +299,9 @@ def test_a_server_on_auto_decodes_with_its_choice_and_reports_it():
     assert code == 200
     assert 'packed_ss_schedule{schedule="packed B=8"} 1.0' in metrics
     assert "packed_ss_auto_predicted_tokens_per_second 6000.0" in metrics
+    kept = {int(k): float(n) for k, n in re.findall(
+        r'packed_ss_iterations_by_accepted_total\{tokens="(\d+)"\} ([\d.]+)', metrics)}
+    assert kept and sum(k * n for k, n in kept.items()) == len(want.tokens)
 
 
 def _kept_calibration(folder, model, rates: dict[Candidate, float]):
@@ -358,3 +362,15 @@ def test_a_width_or_branches_given_with_auto_are_checked_not_dropped(model, tmp_
                                                                      message):
     with pytest.raises((InputError, TypeError), match=message):
         _planner(model, tmp_path).choose(DecodeOptions(schedule="auto", **options), 8)
+
+
+def test_auto_reads_stop_strings_with_the_model_s_tokenizer(tmp_path, monkeypatch):
+    model = ps.load()
+    _kept_calibration(tmp_path, model, {Candidate("packed", 8): 3.0})
+    monkeypatch.setenv("PACKED_SS_COST_DIR", str(tmp_path))
+    prompt = "Question: Ava has 12 apples. Ava gets 7 more apples. How many apples?\nAnswer:"
+    got = ps.decode(model, prompt, schedule="auto", stop_sequences=["####"], max_new_tokens=64)
+    want = ps.decode(model, prompt, schedule="packed", block_size=8, stop_sequences=["####"],
+                     max_new_tokens=64)
+    assert got.auto["label"] == "packed B=8" and got.finish_reason == "stop"
+    assert (got.tokens, got.text, got.stop_at) == (want.tokens, want.text, want.stop_at)

@@ -1,7 +1,8 @@
 """`/metrics` in Prometheus' text format (prometheus_client), one registry per app: the
 requests by how they ended, the tokens generated and the forward calls that made them
-(their ratio is the tokens per NFE), the queue and the busy slots, and histograms of the
-time to first token and of the time per output token after it."""
+(their ratio is the tokens per NFE), the iterations by tokens kept (the accepted-length
+histogram), the schedule (and `auto`'s prediction), the queue and the busy slots, and
+histograms of the time to first token and of the time per output token after it."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ class Metrics:
         Gauge("packed_ss_slots_busy", "slots decoding a request",
               registry=r).set_function(busy)
         Gauge("packed_ss_slots", "slots in all", registry=r).set(slots)
+        self.accepted = Counter("packed_ss_iterations_by_accepted",
+                                "decoder iterations by the tokens each kept: the server's "
+                                "running accepted-length histogram", ["tokens"], registry=r)
         self.schedule = Gauge("packed_ss_schedule", "the schedule decoding (1), with its "
                               "width and branches", ["schedule"], registry=r)
         self.predicted = Gauge("packed_ss_auto_predicted_tokens_per_second", "schedule auto: "
@@ -49,6 +53,9 @@ class Metrics:
         self.requests.labels(result.finish_reason).inc()
         self.tokens.inc(n)
         self.forward_calls.inc(result.nfe)
+        for kept, iterations in enumerate(result.accept_hist):
+            if iterations:
+                self.accepted.labels(str(kept)).inc(int(iterations))
         if first_token_s is not None and n > 1:
             self.tpot.observe(max(wall_s - first_token_s, 0.0) / (n - 1))
 
