@@ -2,8 +2,9 @@
 what `schedule="auto"` would choose there.
 
 Random weights of the shape (a call's time does not depend on their values) are
-calibrated as `auto` calibrates a loaded model (the forward at a few row counts over
-one cache size); then:
+calibrated as `auto` calibrates a loaded model, on a coarser grid that fits a short GPU
+step (the forward at `ROWS` rows over the one buffer size the timed calls read, where
+`auto`'s own grid is cost.ROWS over cost.SLOTS); then:
 
 1. each call of `--measured` (the table `benchmarks.gpu_timing` prints: AR's row,
    Linear-SS's, Packed-SS's and Quadratic-SS's calls at each B) next to the cost model's

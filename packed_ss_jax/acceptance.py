@@ -13,6 +13,7 @@ per iteration is their ratio.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 
 import numpy as np
@@ -113,8 +114,8 @@ class AcceptanceModel:
         iteration, iterations seen and accepted-length histogram."""
         out = []
         with self._lock:
-            running = dict(self.running)
-        for c, p in sorted(self.prior.items()):
+            running, prior = dict(self.running), dict(self.prior)
+        for c, p in sorted(prior.items()):
             for sampled in (False, True):
                 r = running.get((c, sampled))
                 if r is None and sampled:
@@ -136,10 +137,14 @@ class AcceptanceModel:
         try:
             prior = {}
             for c, tokens, iterations, hist in data:
-                if not (float(tokens) >= 0 and float(iterations) > 0):
+                tokens, iterations = float(tokens), float(iterations)
+                if not (math.isfinite(tokens) and math.isfinite(iterations)
+                        and tokens >= 0 and iterations > 0):
                     raise ValueError(f"a tally of {tokens} tokens in {iterations} iterations")
-                prior[Candidate.from_json(c)] = Tally(float(tokens), float(iterations),
-                                                      np.asarray(hist, np.int64).reshape(-1))
-        except (TypeError, ValueError) as e:
+                hist = np.asarray(hist, np.int64).reshape(-1)
+                if (hist < 0).any():
+                    raise ValueError("a negative count in an accepted-length histogram")
+                prior[Candidate.from_json(c)] = Tally(tokens, iterations, hist)
+        except (TypeError, ValueError, OverflowError) as e:
             raise ValueError(f"a malformed acceptance calibration: {e}") from None
         return cls(prior)

@@ -157,14 +157,14 @@ def decode(model, prompt: str | Sequence[int] | None = None, *,
                 `chat_template_kwargs` go to the template (e.g. {"enable_thinking": False}).
     model:      a `Model` (from `load`), or a params tree with `config=` its ModelConfig.
     schedule:   Nemotron "ar", "linear", "quadratic", "packed", "branched"; SetDLM
-                "serial", "native", "linear", "quadratic", "packed" (see
+                "serial", "native", "linear", "quadratic", "packed", "branched" (see
                 `families.FAMILIES`); or "auto": the exact schedule, width and branches
                 predicted fastest on this device for this request (planner.py; calibrated
                 on first use; a width or branches given keep that width or k; the
                 choice in `result.auto`).
-    branches:   "branched": k, 1 <= k <= B, branches pre-drafted per call (the
-                zero-accepted one and k - 1 for the most accepted outcomes; default 2;
-                1 is Packed-SS).
+    branches:   "branched": k, 1 <= k <= the width (B or W), branches pre-drafted per
+                call (the zero-accepted one and k - 1 for the most accepted outcomes;
+                default 2; 1 is Packed-SS).
     block_size: Nemotron: B >= 2 (W = B - 1 drafts per iteration); default the config's.
     window:     SetDLM: W >= 1, the active window; default the checkpoint's.
     temperature 0 is greedy (the speculative schedules return exactly the reference's
@@ -342,12 +342,19 @@ def decoder(model_or_config, *, schedule: str = "packed", block_size: int | None
     return fn
 
 
-def auto_planner(model, config: ModelConfig | None = None) -> planner.Planner:
-    """What `schedule="auto"` decides with for this model (see planner.py): its
+def auto_planner(model) -> planner.Planner:
+    """What `schedule="auto"` decides with for this Model (see planner.py): its
     candidates, `calibrate(prompts)` (to calibrate on a workload's own prompts), `choose`
     (every candidate's prediction) and the running acceptance (`acceptance.table()`).
-    `Planner(...).attach()` replaces it (other candidates, calibration folder)."""
-    return planner.Planner.of(Engine.of(as_model(model, config)))
+    `Planner(...).attach()` replaces it (other candidates, calibration folder). It is
+    kept with the Model object: a params tree decoded with `config=` is a new model each
+    call, so there `auto` reads its calibration back each time and keeps no running
+    tally (make one `ps.Model(config=..., params=...)` to keep it)."""
+    if not isinstance(model, Model):
+        raise InputTypeError(f"auto_planner takes a packed_ss_jax.Model, got "
+                             f"{type(model).__name__} (a params tree: ps.Model(config=..., "
+                             "params=...))")
+    return planner.Planner.of(Engine.of(model))
 
 
 def logits(model, tokens, positions, mask, draft_rows=None, *,

@@ -83,7 +83,7 @@ class CostModel:
                        tuple(int(x) for x in data["slots"]),
                        tuple(tuple(float(s) for s in r) for r in data["seconds"]),
                        float(data.get("calibration_s", 0.0)))
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, OverflowError) as e:
             raise ValueError(f"a malformed cost calibration: {e}") from None
 
 
@@ -185,8 +185,10 @@ def load_or_calibrate(model, directory: str | os.PathLike | None = "default",
             if found.key == key:
                 return found
             log.warning("%s holds another model's calibration; measuring anew", path)
-        except (OSError, ValueError) as e:   # JSONDecodeError is a ValueError
-            log.warning("%s is not a readable cost calibration (%s); measuring anew", path, e)
+        except (OSError, ValueError, OverflowError, RecursionError) as e:   # JSONDecodeError
+            # is a ValueError; a hostile file may nest or size its numbers past any use
+            log.warning("%s is not a readable cost calibration (%s); measuring anew", path,
+                        type(e).__name__ if isinstance(e, RecursionError) else e)
     measured = calibrate(model, **calibration)
     if path is not None:
         try:

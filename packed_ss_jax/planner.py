@@ -40,7 +40,7 @@ import jax
 import numpy as np
 
 from . import cost as cost_lib
-from . import options as options_lib, validate
+from . import memory, options as options_lib, validate
 from .acceptance import AcceptanceModel, Candidate, Tally
 from .engine import Engine
 from .options import DecodeOptions
@@ -73,6 +73,7 @@ SQUARE_WIDTHS = (4, 8)
 BRANCHED = ((8, 2), (16, 2))   # (B, k)
 
 log = logging.getLogger(__name__)
+_planners = threading.RLock()   # making and attaching engines' planners
 
 
 def allows(family, c: Candidate, width: int | None = None, branches: int | None = None,
@@ -142,7 +143,8 @@ def fingerprint(params) -> str:
                           key=lambda p: jax.tree_util.keystr(p[0])):
         h.update(f"{jax.tree_util.keystr(path)}:{x.shape}:{x.dtype}".encode())
         if x.size and getattr(x, "is_fully_addressable", True):   # else: its shape alone
-            h.update(np.asarray(jax.device_get(x.reshape(-1)[:64]), np.float32).tobytes())
+            head = x[(0,) * (x.ndim - 1)][:64] if x.ndim else x   # no flattened copy
+            h.update(np.asarray(jax.device_get(head), np.float32).tobytes())
     return h.hexdigest()[:24]
 
 
@@ -157,6 +159,9 @@ class Planner:
         self.engine = engine
         self.family = engine.family
         self.directory = directory
+        # Default candidates follow a request's width or k (`default_candidates`); a
+        # planner given its own keeps to them.
+        self.own_candidates = candidates is not None
         self.candidates = tuple(candidates or default_candidates(self.family))
         self.cost = cost
         self.acceptance = AcceptanceModel() if acceptance is None else acceptance
@@ -173,13 +178,17 @@ class Planner:
     def of(cls, engine: Engine) -> Planner:
         """The planner `schedule="auto"` uses for the engine: made on first use with the
         defaults, or the one `attach` gave it."""
-        planner = getattr(engine, "_planner", None)
-        return cls(engine).attach() if planner is None else planner
+        with _planners:   # two threads' first auto decodes make one planner
+            planner = getattr(engine, "_planner", None)
+            return cls(engine).attach() if planner is None else planner
 
     def attach(self) -> Planner:
-        """Makes this the planner of its engine (its candidates, calibration folder or
-        models instead of the defaults)."""
-        self.engine._planner = self
+        """Makes this the planner `schedule="auto"` uses for its model (the model's own
+        engine, `Engine.of`: its candidates, calibration folder or models instead of the
+        defaults)."""
+        with _planners:
+            self.engine = Engine.of(self.engine.model)
+            self.engine._planner = self
         return self
 
     # --- calibration ----------------------------------------------------------------------
@@ -273,23 +282,32 @@ class Planner:
         reference, _, _ = options_lib.plan(family, config, self.options_for(
             options, Candidate(family.reference, 1)), prompt_len=prompt_len, tokenizer=tokenizer)
         sampled = not reference.sampling.greedy
+        pool = self.candidates
+        if not self.own_candidates and (width is not None or options.branches is not None):
+            pool = default_candidates(family, width, options.branches)
+        pool = [c for c in pool if allows(family, c, width, options.branches, sampled)]
+        asked = [f"{name} {v}" for name, v in ((family.width_name, width),
+                                               ("branches", options.branches)) if v is not None]
+        if asked and len(pool) == 1:   # only the reference: the width or k asked is not there
+            raise InputError(f"schedule 'auto': no speculative candidate has {' and '.join(asked)}"
+                             f" (the candidates: "
+                             f"{', '.join(c.label(family) for c in self.candidates)})")
         feasible = []
-        for c in self.candidates:
-            if not allows(family, c, width, options.branches, sampled):
-                continue
-            o = self.options_for(options, c)
+        for c in pool:
             try:
-                program, _, _ = options_lib.plan(family, config, o, prompt_len=prompt_len,
-                                                 tokenizer=tokenizer)
-            except InputError:
+                program, _, max_new = options_lib.plan(family, config, self.options_for(
+                    options, c), prompt_len=prompt_len, tokenizer=tokenizer)
+                memory.check(self.engine.model, program, max_new, sequences)
+            except InputError:   # its block or its state does not fit: not a candidate
                 continue
-            feasible.append((c, program.capacity))
-        with self._lock:
-            self._ensure([c for c, _ in feasible])
-        feasible = [self.predict(c, sequences, slots, sampled) for c, slots in feasible]
+            # What a call reads: the cache and one block of headroom (memory.state_bytes).
+            feasible.append((c, program.capacity + program.width))
         if not feasible:
             raise InputError(f"schedule 'auto': no candidate schedule fits this request "
-                             f"(tried {', '.join(c.label(family) for c in self.candidates)})")
+                             f"(tried {', '.join(c.label(family) for c in pool)})")
+        with self._lock:   # one acceptance model for all predictions (calibrate swaps it)
+            self._ensure([c for c, _ in feasible])
+            feasible = [self.predict(c, sequences, slots, sampled) for c, slots in feasible]
         feasible.sort(key=lambda p: -p.tokens_per_s)
         best = feasible[0]
         key = (sequences, sampled, width, options.branches)
@@ -348,8 +366,9 @@ def _read(path: Path | None, c: Candidate) -> Tally | None:
         if list(prior) != [c]:
             raise ValueError(f"not a calibration of {c} alone")
         return prior[c]
-    except (OSError, ValueError, KeyError) as e:
-        log.warning("%s is not a readable acceptance calibration (%s); measuring anew", path, e)
+    except (OSError, ValueError, KeyError, OverflowError, RecursionError) as e:
+        log.warning("%s is not a readable acceptance calibration (%s); measuring anew", path,
+                    type(e).__name__ if isinstance(e, RecursionError) else e)
         return None
 
 

@@ -155,6 +155,8 @@ SLOW: dict[str, tuple[str, tuple[str, ...] | None]] = {
         ("a server process under concurrent clients (the script's --help stays)", None),
     "test_scripts.py::test_stream_overhead":
         ("streamed against one-shot decodes, timed (the script's --help stays)", None),
+    "test_scripts.py::test_branches":
+        ("every number of branches on both embedded models (the script's --help stays)", None),
     "test_scripts.py::test_auto":
         ("every candidate of a width, calibrated and timed in rounds (the script's --help "
          "stays)", None),

@@ -155,8 +155,8 @@ def test_only_what_the_request_allows_and_fits_is_a_candidate(model, tmp_path):
     # A given width keeps that width (and the reference); given branches, Branched-SS.
     assert p.choose(DecodeOptions(schedule="auto", block_size=4, branches=2), 8).candidate \
         == BRANCHED
-    assert {q.candidate for q in p.choose(DecodeOptions(schedule="auto", block_size=8),
-                                          8).predictions} == {AR}
+    with pytest.raises(InputError, match="no speculative candidate has block_size 8"):
+        p.choose(DecodeOptions(schedule="auto", block_size=8), 8)   # not among its own
     # Sampling keeps the sampled schedules; a cache of 3 slots fits no B = 4 block.
     assert p.choose(DecodeOptions(schedule="auto", temperature=0.5), 8).sampled
     assert p.choose(DecodeOptions(schedule="auto", cache_size=3, max_new_tokens=2),
@@ -374,3 +374,39 @@ def test_auto_reads_stop_strings_with_the_model_s_tokenizer(tmp_path, monkeypatc
                      max_new_tokens=64)
     assert got.auto["label"] == "packed B=8" and got.finish_reason == "stop"
     assert (got.tokens, got.text, got.stop_at) == (want.tokens, want.text, want.stop_at)
+
+
+def test_a_width_or_k_off_the_default_grid_gets_candidates_of_its_own(model, tmp_path,
+                                                                       monkeypatch):
+    p = planner_lib.Planner(Engine(model), cost=_cost(), directory=tmp_path)
+    monkeypatch.setattr(p, "_decode", lambda c: Tally(2.0, 1.0))
+    twelve = p.choose(DecodeOptions(schedule="auto", block_size=12), 8)
+    assert {q.candidate for q in twelve.predictions} == {
+        AR, Candidate("linear", 12), Candidate("quadratic", 12), Candidate("packed", 12),
+        Candidate("branched", 12, 2)}
+    three = p.choose(DecodeOptions(schedule="auto", branches=3), 8)
+    assert {q.candidate for q in three.predictions} == {
+        AR, Candidate("branched", 8, 3), Candidate("branched", 16, 3)}
+    with pytest.raises(InputError, match="no speculative candidate has branches 20"):
+        p.choose(DecodeOptions(schedule="auto", branches=20), 8)
+
+
+@pytest.mark.parametrize("text", [
+    '{"version": 1, "prior": [[["packed", 4, 1], 1e400, 1.0, []]]}',
+    '{"version": 1, "prior": [[["packed", 4, 1], 3.0, 1.0, [100000000000000000000000000000]]]}',
+    '{"version": 1, "prior": [[["packed", 4, 1], 3.0, 1.0, [-1]]]}',
+    '{"version": 1, "prior": [[["packed", 4, 1], 1' + "0" * 400 + ', 1.0, []]]}',
+    '{"version": 1, "prior": ' + "[" * 100000 + "]" * 100000 + '}'])
+def test_a_hostile_acceptance_file_is_measured_anew(model, tmp_path, text):
+    p = planner_lib.Planner(Engine(model), cost=_cost(), candidates=(AR, PACKED),
+                            directory=tmp_path)
+    p._decode = lambda c: Tally(2.0, 1.0)
+    p.calibrate([[3, 4]], candidates=[PACKED])
+    (path,) = tmp_path.iterdir()
+    path.write_text(text)
+    again = planner_lib.Planner(Engine(model), cost=_cost(), candidates=(AR, PACKED),
+                                directory=tmp_path)
+    again._decode = lambda c: Tally(5.0, 1.0)
+    again.calibrate([[3, 4]], candidates=[PACKED])
+    assert again.acceptance.tokens_per_iteration(PACKED) == 5.0   # measured, and kept
+    assert json.loads(path.read_text())["prior"][0][1] == 5.0

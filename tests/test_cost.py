@@ -94,3 +94,14 @@ def test_without_a_directory_nothing_is_written(tmp_path, monkeypatch):
     cost.load_or_calibrate(MODEL, None, **SMALL)
     assert list(tmp_path.iterdir()) == []
     assert cost.default_dir() == tmp_path / "packed_ss_jax" / "cost"
+
+
+@pytest.mark.parametrize("text", ['{"version": 1, "key": "k", "rows": [1], "slots": [16], '
+                                  '"seconds": [[1' + "0" * 400 + ']]}',
+                                  "[" * 100000 + "]" * 100000])
+def test_a_hostile_cost_file_is_measured_anew(tmp_path, text):
+    first = cost.load_or_calibrate(MODEL, tmp_path, **SMALL)
+    path = tmp_path / f"{first.key}.json"
+    path.write_text(text)
+    again = cost.load_or_calibrate(MODEL, tmp_path, **SMALL)
+    assert again.key == first.key and json.loads(path.read_text())["key"] == first.key
