@@ -10,8 +10,8 @@ candidate decoding `--calibration` held-out prompts of the task, drawn apart fro
 measured ones); its calibration time is reported, and so are the choices it made.
 
     python -m benchmarks.auto --json benchmarks/results/auto_cpu.json
-    python -m benchmarks.auto --models nld-tiny --width 4 --prompts 2 --calibration 2 \
-        --rounds 1 --max-new-tokens 8 --batches 1,2          # a check
+    python -m benchmarks.auto --models nld-tiny --width 4 --schedules packed --prompts 2 \
+        --calibration 2 --rounds 1 --max-new-tokens 8 --batches 2   # a check
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ def _arguments(argv) -> argparse.Namespace:
     p.add_argument("--rounds", type=int_at_least(1), default=3)
     p.add_argument("--width", type=int_at_least(1), default=None,
                    help="only the candidates of this width (B or W; default: every one)")
+    p.add_argument("--schedules", default=None,
+                   help="only the candidates of these schedules, comma-separated (the "
+                        "reference always; default: every one)")
     p.add_argument("--json", help="write the results here")
     return p.parse_args(argv)
 
@@ -66,6 +69,16 @@ def _decode(model, prompts, batch: int, options: dict, max_new: int):
     return results, wall, compile_s
 
 
+def _candidates(family, args):
+    """The candidates asked for (None: auto's defaults)."""
+    if args.width is None and args.schedules is None:
+        return None
+    keep = None if args.schedules is None else set(args.schedules.split(",")) | {
+        family.reference}
+    return [c for c in default_candidates(family, args.width)
+            if keep is None or c.schedule in keep]
+
+
 def measure_model(name: str, args) -> dict:
     model = ps.load(name)
     engine = Engine.of(model)
@@ -73,8 +86,8 @@ def measure_model(name: str, args) -> dict:
     prompts = [p.prompt for p in corpus.arithmetic_test(args.prompts)]
     calibration = [p.prompt for p in corpus.arithmetic_test(args.calibration, seed=1)]
     with tempfile.TemporaryDirectory() as folder:
-        planner = Planner(engine, directory=folder, candidates=default_candidates(
-            family, args.width) if args.width else None).attach()
+        planner = Planner(engine, directory=folder,
+                          candidates=_candidates(family, args)).attach()
         t0 = time.perf_counter()
         planner.calibrate(calibration)
         calibration_s = time.perf_counter() - t0

@@ -79,6 +79,9 @@ SLOW: dict[str, tuple[str, tuple[str, ...] | None]] = {
         ("a whole bench of a SetDLM checkpoint", None),
     "test_one_engine.py::test_vmapped_decoder_equals_decode_per_prompt":
         ("a vmapped program per family and sampler", ("greedy-setdlm",)),
+    "test_serving.py::test_other_schedules_serve_greedy_and_sampled_requests_in_one_state":
+        ("SetDLM's Branched-SS behind a server (Nemotron's stays, and SetDLM's Branched-SS "
+         "is checked against its reference in the suite)", ("setdlm-tiny-branched-shape3",)),
     "test_embedded_model.py::test_all_schedules_return_ar_greedy_tokens":
         ("every schedule of the embedded model on its prompts", None),
     "test_embedded_setdlm.py::test_ltr_schedules_return_serial_greedy_and_drafts_are_accepted":
@@ -205,13 +208,17 @@ LONG: dict[str, tuple[str, tuple[str, ...] | None]] = {
         ("a sampled batched program per schedule (Packed-SS's stays in the suite, and every "
          "schedule's greedy one)",
          ("nemotron-ar-ltr-1.0", "nemotron-linear-ltr-1.0", "nemotron-quadratic-ltr-1.0",
-          "setdlm-serial-ltr-1.0", "setdlm-linear-ltr-1.0", "setdlm-quadratic-ltr-1.0")),
+          "nemotron-branched-ltr-1.0", "setdlm-serial-ltr-1.0", "setdlm-linear-ltr-1.0",
+          "setdlm-quadratic-ltr-1.0", "setdlm-branched-ltr-1.0")),
     "test_one_engine.py::test_every_schedule_runs_from_the_cli":
         ("every schedule through the CLI (the CLI hands the schedule to `decode`; Packed-SS "
          "and SetDLM's serial decoder stay, and every schedule's exactness is checked on the "
          "fixtures in the suite)",
-         ("nemotron-ar", "nemotron-linear", "nemotron-quadratic", "setdlm-native",
-          "setdlm-linear", "setdlm-quadratic")),
+         ("nemotron-ar", "nemotron-linear", "nemotron-quadratic", "nemotron-branched",
+          "setdlm-native", "setdlm-linear", "setdlm-quadratic", "setdlm-branched")),
+    "test_serving.py::test_other_schedules_serve_greedy_and_sampled_requests_in_one_state":
+        ("SetDLM's Branched-SS behind a server (Nemotron's stays, and SetDLM's Branched-SS "
+         "is checked against its reference in the suite)", ("setdlm-tiny-branched-shape3",)),
     "test_embedded_model.py::test_all_schedules_return_ar_greedy_tokens":
         ("every schedule of the embedded model on its prompts (the suite checks every "
          "schedule's greedy exactness on the fixtures and random models)", None),
