@@ -60,8 +60,8 @@ def _decode(model, prompts, batch: int, options: dict, max_new: int):
     results, wall, compile_s = [], 0.0, 0.0
     for i in range(0, len(prompts), batch):
         group = prompts[i: i + batch]
-        out = ps.decode(model, group if batch > 1 else group[0], max_new_tokens=max_new,
-                        **options)
+        out = ps.decode(model, group if batch > 1 else group[0],
+                        options=ps.DecodeOptions(max_new_tokens=max_new, **options))
         out = out if batch > 1 else [out]
         results += out
         wall += out[0].wall_s if batch > 1 else sum(r.wall_s for r in out)

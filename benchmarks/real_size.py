@@ -94,7 +94,7 @@ def _stage(spec: dict) -> dict:
 
     resets = _reset_peak()
     e = Engine.of(model)
-    options = DecodeOptions(schedule=spec["schedule"], block_size=spec["block_size"],
+    options = DecodeOptions(schedule=spec["schedule"], width=spec["block_size"],
                             max_new_tokens=spec["max_new_tokens"], eos_id=None,
                             cache_size=spec["cache_size"])
     prompt = [t % model.config.vocab_size for t in spec["prompt"]]  # the tiny shape's too

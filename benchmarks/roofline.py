@@ -89,7 +89,7 @@ def full_attention():
 def step_cost(shape: str, schedule: str, live: int, prompt: int = 16) -> StepCost:
     """XLA's cost analysis of one loop step with `live` cached slots (abstract params).
 
-    The step is the one a decode compiles: the request's program (`options.plan`), the
+    The step is the one a decode compiles: the request's program (`DecodeOptions.check`), the
     family's loop of it (`build`), its state made by the loop's first call on a
     `prompt`-token prompt, with a cache of `live` slots in all (capacity plus one block of
     headroom)."""
@@ -97,9 +97,10 @@ def step_cost(shape: str, schedule: str, live: int, prompt: int = 16) -> StepCos
     params = jax.eval_shape(model_lib.unstack_layers, model_lib.abstract_params(c))
     m = Model(config=c, params=params, source="abstract")
     family = families.of(c)
-    program, limits, _ = options.plan(family, c, options.DecodeOptions(
-        schedule=schedule, block_size=BLOCK[schedule], max_new_tokens=1, eos_id=None,
-        cache_size=live - family.width(schedule, BLOCK[schedule])))
+    checked = options.DecodeOptions(
+        schedule=schedule, width=BLOCK[schedule], max_new_tokens=1, eos_id=None,
+        cache_size=live - family.width(schedule, BLOCK[schedule])).check(family, c)
+    program, limits = checked.program, checked.limits
     loop = family.build(m, program)
     state = jax.eval_shape(loop.init, params, jax.ShapeDtypeStruct((prompt,), jnp.int32),
                            jax.ShapeDtypeStruct((), jnp.int32), limits, jax.random.PRNGKey(0))

@@ -18,7 +18,8 @@ import time
 import jax
 
 import packed_ss_jax as ps
-from packed_ss_jax import DecodeOptions, Engine, engine
+from packed_ss_jax import DecodeOptions, Engine
+from packed_ss_jax.scheduler import DEFAULT_CHUNK, Streaming
 from packed_ss_jax.detokenize import Detokenizer
 
 PROMPT = ("Question: Ava has 12 apples. Ava gets 7 more apples. How many apples does Ava have "
@@ -32,7 +33,7 @@ def _arguments(argv) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="checkpoint (default: the embedded nld-tiny)")
     p.add_argument("--schedule", default="packed")
     p.add_argument("--tokens", type=int, default=256, help="max_new_tokens (EOS ignored)")
-    p.add_argument("--chunks", default=f"4,8,{engine.DEFAULT_CHUNK},32")
+    p.add_argument("--chunks", default=f"4,8,{DEFAULT_CHUNK},32")
     p.add_argument("--repeat", type=int, default=15)
     return p.parse_args(argv)
 
@@ -44,7 +45,7 @@ def _interleaved_times(e: Engine, model, request, chunks: list[int], repeat: int
     def chunked(k, text: bool):
         t0 = time.perf_counter()
         d = Detokenizer(model.tokenizer.decode) if text else None
-        for new in e.stream(request, k):
+        for new in Streaming(e, request, k):
             if d is not None:
                 d.add(new)
         return time.perf_counter() - t0
@@ -66,13 +67,12 @@ def _empty_launch_times(e: Engine, request) -> list[float]:
     """Wall times (s) of 200 launches that run no loop iteration."""
     # The fixed cost of one launch: a generate that runs no iteration (k = 0: dispatch,
     # the donated state, the progress read back). Best of many, so load hides less.
-    c = e.stream(request, 1)
+    c = Streaming(e, request, 1)
     c.launch()
     empty = []
     for _ in range(200):
         t0 = time.perf_counter()
-        c.state, progress = e.dispatch(c.state, 0, request.program)
-        jax.device_get(progress)
+        jax.device_get(c.scheduler.launch(0).progress)
         empty.append(time.perf_counter() - t0)
     return empty
 
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     chunks = [int(k) for k in args.chunks.split(",")]
     one = e.decode(request)  # compiles
     for k in chunks:
-        assert [t for c in e.stream(request, k) for t in c] == one.tokens
+        assert [t for c in Streaming(e, request, k) for t in c] == one.tokens
     times = _interleaved_times(e, model, request, chunks, args.repeat)
     _print_report(model, args, one, times, chunks, _empty_launch_times(e, request))
     return 0

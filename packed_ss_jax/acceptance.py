@@ -1,8 +1,8 @@
 """How many tokens a schedule makes per loop iteration on the loaded model: the
 acceptance side of `schedule="auto"` (planner.py), beside the cost side (cost.py).
 
-A schedule at a width (and, for Branched-SS, a number of branches) is a `Candidate`.
-`AcceptanceModel` keeps, per candidate and per kind of decoding (greedy or sampled:
+A schedule at a width (and, for Branched-SS, a number of branches) is a `Candidate`, a
+`shape.Shape`. `AcceptanceModel` keeps, per candidate and per kind of decoding (greedy or sampled:
 sampling accepts fewer drafts), the tokens and loop iterations of the decodes it was
 shown together with their accepted-length histograms: a prior from calibration decodes
 (weighted as `PRIOR_ITERATIONS` iterations, so that the decodes that follow soon
@@ -18,43 +18,11 @@ import threading
 
 import numpy as np
 
+from .shape import Shape
+
 PRIOR_ITERATIONS = 256   # what a calibration weighs against the running decodes
 
-
-@dataclasses.dataclass(frozen=True, order=True)
-class Candidate:
-    """One exact schedule at one width: B for Nemotron (1 for AR), W for SetDLM (1 for
-    serial); `branches` is Branched-SS's k (1 otherwise)."""
-
-    schedule: str
-    width: int
-    branches: int = 1
-
-    def label(self, family) -> str:
-        if self.schedule == family.reference:
-            return self.schedule
-        k = f" k={self.branches}" if self.schedule == "branched" else ""
-        return f"{self.schedule} {family.width_symbol}={self.width}{k}"
-
-    def options(self, family) -> dict:
-        """The `DecodeOptions` fields that select it."""
-        out = {"schedule": self.schedule}
-        if self.schedule != family.reference:
-            out[family.width_name] = self.width
-        if self.schedule == "branched":
-            out["branches"] = self.branches
-        return out
-
-    def to_json(self) -> list:
-        return [self.schedule, self.width, self.branches]
-
-    @classmethod
-    def from_json(cls, data) -> Candidate:
-        schedule, width, branches = data
-        if not isinstance(schedule, str) or not all(
-                isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in (width, branches)):
-            raise ValueError(f"not a candidate: {data!r}")
-        return cls(schedule, width, branches)
+Candidate = Shape   # what `auto` chooses among: a schedule at a width with k branches
 
 
 @dataclasses.dataclass

@@ -1,30 +1,21 @@
-"""Batched decoding with ragged acceptance: one loop over a batch of sequences.
+"""A decode state of N slots (one sequence each) and the pure functions over it.
 
-A family's program is a `loop.Loop` of pure pieces (`init`, `step`, `outcome`, see
-schedules.build / setdlm.program.build), written for one sequence. Here they run over a
-batch: `start` and `outcome` vmapped, and one `lax.while_loop` whose body is the step
-vmapped over the batch, going on while any sequence is unfinished. Every sequence keeps
-its own cache length, accepted count, draft, PRNG key and stop state, so sequences
-accept different numbers of tokens per iteration and stop at different times.
+A family's `loop.Loop` is written for one sequence; here its first call and step run
+vmapped over the slots, each slot with its own cache length, draft, key and stop state,
+so slots accept different numbers of tokens per iteration and stop at different times.
+`slot_functions` is the contract every path but a one-request decode runs (JetStream's
+prefill, insert and generate; the engine compiles it, scheduler.py drives it).
 
-Why not `jax.vmap` of the whole single-sequence loop: vmap turns a loop whose predicate
-differs per sequence into a loop over `any` whose body selects, for every leaf of the
-state, the new value or the old one by the sequence's `done`. The KV cache is a leaf, so
-that select writes a new copy of every cache buffer in every step, and the cache is no
-longer updated in place.
-
-Here a finished sequence's step is made a no-op without touching the cache: every leaf
-except the cache is kept as it was (a select over the small bookkeeping arrays), and
-the cache takes the step's write. That write goes to the finished sequence's slots
-from its (kept) cache length on, which no call of that sequence reads (every call sees
-only the committed slots `< cache_len`, SetDLM also only the slots it marks visible), so
-it changes nothing the sequence will ever read; the write itself is the step's
-in-place update (vmapped, a scatter into the loop's buffer), as in the single loop.
+Why not `jax.vmap` of the whole single-sequence loop: vmap turns a per-sequence
+predicate into a select over every leaf by `done`, and the KV cache is a leaf, so every
+step would copy every cache buffer. Here a stopped slot keeps every leaf but the cache,
+and its cache takes the step's write at KV positions from its kept cache length on,
+which none of its calls ever reads; the write stays the step's in-place update.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +35,7 @@ def _keep_finished(done, old, new):
 
 def step_batch(step: Callable, batch_step: Callable | None = None) -> Callable:
     """`step(params, s) -> s` over a batch of states, finished sequences unchanged
-    (their cache writes land in slots they never read). With `batch_step` (a sampled
+    (their cache writes land at KV positions they never read). With `batch_step` (a sampled
     program's `Loop.batch_step`), each step is given the plan its live rows' sampling
     values allow (sampling.batch_plan), unbatched: vmapped, a per-row choice would
     compute both sides for every row, a branch on the plan computes one."""
@@ -63,48 +54,92 @@ def step_batch(step: Callable, batch_step: Callable | None = None) -> Callable:
 
 
 def start_batch(start: Callable, batch_init: Callable | None = None) -> Callable:
-    """`start(params, prompt, n, limits, key)` over a batch: prompts [N, P] (padded to one
-    length), n [N], limits with a leading N axis, keys [N, ...]. With `batch_init` (a
+    """`start(params, prompt, prompt_len, limits, key)` over a batch: prompts [N, P]
+    (padded to one length), prompt_len [N], limits with a leading N axis, keys [N, ...]. With `batch_init` (a
     sampled program's `Loop.batch_init`), told unbatched whether any row is greedy, so a
     batch without greedy rows runs the sampled first call alone."""
     if batch_init is None:
         return jax.vmap(start, in_axes=(None, 0, 0, 0, 0))
     many = jax.vmap(batch_init, in_axes=(None, 0, 0, 0, 0, None))
 
-    def run(params, prompts, n, limits, keys):
-        return many(params, prompts, n, limits, keys, jnp.any(limits["temperature"] == 0))
+    def run(params, prompts, prompt_len, limits, keys):
+        return many(params, prompts, prompt_len, limits, keys,
+                    jnp.any(limits["temperature"] == 0))
 
     return run
 
 
 def pin_cache(s, cache_sharding):
     """The batched state `s` with its cache constrained to `cache_sharding` (a Sharding of
-    a [N, kv_heads, slots, head_dim] buffer; None: left to XLA)."""
+    a [N, kv_heads, positions, head_dim] buffer; None: left to XLA)."""
     if cache_sharding is None:
         return s
     return s.replace(cache=jax.tree.map(
         lambda b: jax.lax.with_sharding_constraint(b, cache_sharding), s.cache))
 
 
-def build(loop, cache_sharding=None) -> Callable:
-    """The batched decode function of a family's decode loop (`loop.Loop`):
+class Progress(NamedTuple):
+    """Each slot's output so far (leading axis the slots): `final` leading entries of
+    `tokens` no later iteration changes; `done`: stopped; `stopped`: by a stop marker
+    (EOS among them), else by its length."""
 
-        run(params, prompts [N, P], n [N], limits (leading N axis), keys [N]) -> outcome
+    tokens: Any
+    final: Any
+    done: Any
+    stopped: Any
 
-    every outcome leaf with a leading N axis; row i is what the single-sequence program
-    returns for prompt i, its limits and its key. `cache_sharding` (a Sharding of a
-    [N, kv_heads, slots, head_dim] buffer, see sharding.cache_spec) pins where the cache
-    lives on a mesh, in the loop as at its start.
-    """
-    start, outcome = loop.init, loop.outcome
-    first, body = start_batch(start, loop.batch_init), step_batch(loop.step, loop.batch_step)
 
-    def pin(s):
-        return pin_cache(s, cache_sharding)
+class SlotFunctions(NamedTuple):
+    """The pure functions over a decode state of N slots (`slot_functions`)."""
 
-    def run(params, prompts, n, limits, keys):
-        s = pin(first(params, prompts, n, limits, keys))
-        s = jax.lax.while_loop(lambda s: jnp.any(~s.done), lambda s: pin(body(params, s)), s)
-        return jax.vmap(outcome)(s)
+    empty: Callable      # () -> state, every slot stopped
+    prefill: Callable    # (params, prompts [M, P], prompt_len [M], limits [M], seeds [M]) -> [M]
+    insert: Callable     # (state, prefix [M], where [M]) -> state; where >= N: dropped
+    generate: Callable   # (params, state, k, eager) -> (state, progress, ran, made)
+    outcome: Callable    # state -> outcome dict, leading axis N
+    halt: Callable       # (state, slot) -> state with that slot stopped
 
-    return run
+
+def slot_functions(loop, one: Callable, slots: int, pin: Callable) -> SlotFunctions:
+    """The slot contract over `slots` sequences of a family's decode loop (`loop.Loop`);
+    `one()` is the shape of one sequence's state (`jax.eval_shape` of `loop.init`: traced
+    only when `empty` is), `pin`
+    constrains a batched state to where it lives on a mesh (the identity on one device).
+
+    `generate` runs at most k iterations of every slot and stops early once every slot has
+    stopped or, with `eager`, once a slot running at entry has stopped (a queue refills it
+    then). It returns the state, the progress (tokens, final counts, done, stopped), the
+    iterations it ran and the batched forward calls they made (the most any slot made).
+    A stopped slot is left as it is by every step, so a state may hold empty slots."""
+    first = start_batch(loop.init, loop.batch_init)
+    step_all = step_batch(loop.step, loop.batch_step)
+
+    def empty():
+        s = jax.tree.map(lambda x: jnp.zeros((slots,) + x.shape, x.dtype), one())
+        return pin(s.replace(done=jnp.ones(slots, bool)))
+
+    def prefill(params, prompts, prompt_len, limits, seeds):
+        return first(params, prompts, prompt_len, limits, jax.vmap(jax.random.PRNGKey)(seeds))
+
+    def insert(s, prefix, where):
+        put = jax.tree.map(lambda b, x: b.at[where].set(x.astype(b.dtype), mode="drop"),
+                           s, prefix)
+        return pin(put)
+
+    def generate(params, s, k, eager):
+        running = ~s.done
+
+        def go(c):
+            stopped = eager & jnp.any(running & c[0].done)
+            return jnp.any(~c[0].done) & ~stopped & (c[1] < k)
+
+        after, ran = jax.lax.while_loop(
+            go, lambda c: (pin(step_all(params, c[0])), c[1] + 1), (s, jnp.int32(0)))
+        tokens, final, done = jax.vmap(loop.progress)(after)
+        progress = Progress(tokens, final, done, after.stopped)
+        return after, progress, ran, jnp.max(after.nfe - s.nfe)
+
+    def halt(s, slot):
+        return pin(s.replace(done=s.done.at[slot].set(True)))
+
+    return SlotFunctions(empty, prefill, insert, generate, jax.vmap(loop.outcome), halt)

@@ -1,29 +1,13 @@
 """The functional KV cache: fixed-size buffers indexed by slot.
 
-The cache is `{"k", "v"}`, each a list with one `[kv_heads, slots, head_dim]`
-buffer per layer. One buffer per layer, because a layer's slice of a stacked
-buffer is materialised (copied) before XLA's dot reads it; slots behind the kv
-heads (`SLOT_AXIS`), because the heads are the batch axis of the attention
-products and XLA would otherwise transpose (copy) the buffer in every call.
-
-A call's new rows are returned by the forward in the same layout, and the
-decoder commits a fixed number of candidate rows at `cache_len`, then advances
-`cache_len` by the accepted count only: rejected rows stay in the buffer,
-invisible (every row sees slots `< cache_len` only) and are overwritten by the
-next commit. The buffer therefore keeps one block of headroom past the last
-committed slot, since `dynamic_update_slice` clamps a start index that would
-run off the end.
-
-On the CPU a 16-bit float cache (bf16 models) is stored as its bits, in `uint16`
-buffers (`stored` / `loaded`). XLA's CPU backend computes bf16 data movement in
-float32, so a bf16 write there is convert -> update -> convert over the whole buffer,
-in every layer of every step; a bf16 update between two bitcasts is not done in place
-either. An integer buffer is updated in place. The attention reads it back as bf16
-through a bitcast, which XLA's CPU backend carries out as a copy: `model.attend` reads
-long caches a chunk at a time, so that only the live chunks are copied (a cache
-shorter than `model.LIVE_MIN_SLOTS` is copied whole, per layer and call). GPUs and
-TPUs move bf16 as it is (XLA's GPU float support lists dynamic-update-slice among the
-ops it runs in bf16) and keep bf16 buffers, which their dots read directly.
+The cache is `{"k", "v"}`, each a list with one `[kv_heads, slots, head_dim]` buffer per
+layer (why this layout: docs/performance.md). The decoder commits a fixed number of
+candidate rows at `cache_len` and advances `cache_len` by the accepted count only:
+rejected rows stay in the buffer, invisible (a row sees slots `< cache_len` only), and
+the next commit overwrites them. The buffer keeps one block of headroom past the last
+committed slot, since `dynamic_update_slice` clamps a start index that would run off the
+end. On the CPU a bf16 cache is stored as its bits, in `uint16` buffers (`stored` /
+`loaded`), so that it is updated in place (docs/performance.md#precision).
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """Chat templates: a checkpoint's Jinja template rendered as Hugging Face renders it.
 
-The template comes from the checkpoint directory: `chat_template.jinja`, else the
-`chat_template` of `tokenizer_config.json` (a string, or a list of named templates of
-which "default" is used). Rendering follows transformers' `apply_chat_template`: a
-sandboxed, immutable Jinja2 environment with `trim_blocks` and `lstrip_blocks`, the
-`loopcontrols` extension, `{% generation %}` blocks accepted, the `tojson` filter that
-keeps non-ASCII text, and the globals `raise_exception` and `strftime_now`; the template
-sees `messages`, `add_generation_prompt`, `tools`, `documents`, the special tokens
-(`bos_token`, `eos_token`, ... from tokenizer_config.json) and any extra keyword
-(e.g. `enable_thinking=False`). The rendered text already holds the special tokens the
-template writes, so it is tokenized without adding any (as transformers does).
-
-A template is code from the internet, so it runs in a worker process under limits
-(template_render.py): by default 5 s of wall time (TIME_LIMIT) and 4 Mi characters of
-output (MAX_CHARS); `of(model, time_limit=..., max_chars=...)` or
-`ChatTemplate.limited(...)` sets others. What it sees is plain data
-(text, numbers, None, lists, tuples, dicts, at most MAX_DEPTH = 64 levels deep), all of it
-valid Unicode. Errors name the template by its checkpoint folder and file
-("nld-tiny/chat_template.jinja"), never by its whole path.
+The template is the checkpoint's `chat_template.jinja`, else the `chat_template` of
+`tokenizer_config.json` (of a list of named ones, "default"); it renders as transformers'
+`apply_chat_template` does, seeing `messages`, `add_generation_prompt`, `tools`,
+`documents`, the special tokens and any extra keyword, and the text is tokenized without
+adding special tokens. A template is code from the internet, so it runs in a worker
+process under limits (template_render.py; `of(model, time_limit=..., max_chars=...)` sets
+them) and sees plain data only. The environment and the limits: docs/api.md#chat and
+docs/hostile_input.md#chat-templates.
 """
 
 from __future__ import annotations

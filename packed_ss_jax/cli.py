@@ -8,11 +8,12 @@ are one line on stderr and exit status 2 (see arguments.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
 
-from . import families, validate
+from . import families
 from .arguments import (Parser, UsageError, int_at_least, load_model, model_args, origins,
                         probability, run_command, seconds, seed, temperature, text, token_ids,
                         width_args, width_of)
@@ -157,46 +158,45 @@ def _check_schedule(schedule: str, family, also: str = "") -> None:
                          f"{', '.join(family.schedules)}{also}")
 
 
-def _decode_options(args, family) -> dict:
-    """The keyword arguments of `api.decode`/`api.stream` (all but the schedule) for
-    the parsed command line: limits, sampling, width, order, stops, and the prompt or
-    the chat messages."""
-    width = width_of(args, family)
-    options = dict(max_new_tokens=args.max_new_tokens, eos_id=None if args.no_eos else -1,
-                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                   seed=args.seed, **{family.width_name: width})
-    if args.branches is not None:
-        options["branches"] = args.branches
-    if args.order is not None:
-        options["order"] = args.order
-    if args.stop:
-        options["stop_sequences"] = args.stop
-    if args.chat:
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
-                   [{"role": "user", "content": args.prompt}]
-        options["messages"] = messages
-        if args.no_thinking:
-            options["chat_template_kwargs"] = {"enable_thinking": False}
-    else:
-        options["prompt"] = args.ids if args.ids is not None else args.prompt
-    return options
+def _decode_options(args, family):
+    """The decode's `DecodeOptions` for the parsed command line (the schedule set per
+    run): limits, sampling, seed, width, branches, order and stops."""
+    from .options import DecodeOptions
+
+    options = DecodeOptions(width=width_of(args, family), branches=args.branches,
+                            max_new_tokens=args.max_new_tokens,
+                            eos_id=None if args.no_eos else -1, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            stop_sequences=tuple(args.stop))
+    return options if args.order is None else dataclasses.replace(options, order=args.order)
 
 
-def _for(schedule: str, options: dict, every: bool) -> dict:
+def _prompt(args) -> dict:
+    """What to decode: the prompt (text or --ids), or with --chat the messages (the
+    user's, after --system's) and the chat template's keywords."""
+    if not args.chat:
+        return {"prompt": args.ids if args.ids is not None else args.prompt}
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+               [{"role": "user", "content": args.prompt}]
+    return {"messages": messages,
+            "chat_template_kwargs": {"enable_thinking": False} if args.no_thinking else None}
+
+
+def _for(schedule: str, options, every: bool):
     """`options` for one schedule: with --schedule all (`every`), --branches goes to
     Branched-SS alone (given with another schedule, the decode refuses it)."""
-    if schedule == "branched" or not every:
-        return options
-    return {k: v for k, v in options.items() if k != "branches"}
+    keep = schedule == "branched" or not every
+    return dataclasses.replace(options, schedule=schedule,
+                               branches=options.branches if keep else None)
 
 
-def _stream_to_stdout(model, schedule: str, options: dict):
-    """Decodes with `schedule`, printing the text (or, without a tokenizer, the token
-    ids) as it arrives, then a newline; returns the decode's result."""
+def _stream_to_stdout(model, prompt: dict, options):
+    """Decodes `prompt` with `options`, printing the text (or, without a tokenizer, the
+    token ids) as it arrives, then a newline; returns the decode's result."""
     from . import api
 
     first = None
-    for piece in api.stream(model, schedule=schedule, **options):
+    for piece in api.stream(model, **prompt, options=options):
         if piece.text is not None:
             print(piece.text, end="", flush=True)
         elif piece.tokens:
@@ -230,7 +230,7 @@ def _generate(argv: list[str] | None, prog: str) -> int:
     family = families.of(model.config)
     if args.schedule != "all":
         _check_schedule(args.schedule, family, " (or all)")
-    options = _decode_options(args, family)
+    options, prompt = _decode_options(args, family), _prompt(args)
     schedules = list(family.schedules) if args.schedule == "all" else [args.schedule]
     # The first schedule prints as it decodes; the others (--schedule all) only add rows.
     every = args.schedule == "all"
@@ -238,11 +238,13 @@ def _generate(argv: list[str] | None, prog: str) -> int:
         if "branched" not in schedules:
             raise UsageError(f"--branches is for --schedule branched, which {family.title} "
                              "models do not have")
-        validate.branches(args.branches, "branched",
-                          width_of(args, family) or model.config.block_size)
+        from .options import branches
+
+        branches(args.branches, "branched", options.width or model.config.block_size,
+                 family.width_name)
     planner = _auto_progress(model) if args.schedule == "auto" else None
-    first = _stream_to_stdout(model, schedules[0], _for(schedules[0], options, every))
-    results = [first] + [api.decode(model, schedule=s, **_for(s, options, every))
+    first = _stream_to_stdout(model, prompt, _for(schedules[0], options, every))
+    results = [first] + [api.decode(model, **prompt, options=_for(s, options, every))
                          for s in schedules[1:]]
     _report(results, family, greedy=args.temperature == 0)
     if planner is not None:
@@ -255,13 +257,12 @@ def _generate(argv: list[str] | None, prog: str) -> int:
 def _auto_progress(model):
     """Schedule auto's planner for `model`, telling stderr about each candidate its first
     use calibrates (a calibration kept on disk is read back silently)."""
-    from .engine import Engine
-    from .planner import Planner
+    from .api import auto_planner
 
     def progress(i, n, label):
         print(f"calibrating auto: {label} ({i + 1} of {n})", file=sys.stderr, flush=True)
 
-    planner = Planner.of(Engine.of(model))
+    planner = auto_planner(model)
     planner.progress = progress
     return planner
 
@@ -273,7 +274,7 @@ def generate_main(argv: list[str] | None = None, prog: str = "packed-ss generate
 def _serve_parser(prog: str) -> Parser:
     """The `serve` command line: the model, where to listen, the served name, the
     schedule and its width, the API key and the HTTP limits (defaults from `Limits`)."""
-    from .http_guard import Limits
+    from .server.http_guard import Limits
 
     d = Limits()
     p = Parser(prog=prog,
@@ -340,7 +341,7 @@ def _check_serve_args(p: Parser, args) -> None:
 
 def _limits(args):
     """The server's `Limits` from the parsed command line."""
-    from .http_guard import Limits
+    from .server.http_guard import Limits
 
     return Limits(max_body_bytes=args.max_body_bytes, max_connections=args.max_connections,
                   header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
@@ -366,7 +367,7 @@ def _serving_app(args, limits):
     if args.schedule == "auto":
         _auto_progress(model)
     print("compiling the server's programs ...", file=sys.stderr, flush=True)
-    shape = {} if width is None else {family.width_name: width}
+    shape = {} if width is None else {"width": width}   # DecodeOptions' fields
     if args.branches is not None:
         shape["branches"] = args.branches
     app = create_app(model, name, schedule=args.schedule, limits=limits, width=shape or None,

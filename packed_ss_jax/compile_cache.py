@@ -1,22 +1,14 @@
 """The persistent compilation cache: compiled decode programs outlive the process.
 
-A decode program of a real-size model takes tens of seconds to a few minutes to compile;
-with JAX's persistent cache, a second process loads it from disk instead. It is on by
-default, in a per-user directory (`$XDG_CACHE_HOME/packed_ss_jax/xla`, else
-`~/.cache/packed_ss_jax/xla`, created private to the user: JAX treats cache entries as
-trusted code). `PACKED_SS_COMPILE_CACHE=off` turns it off and `PACKED_SS_COMPILE_CACHE=DIR`
-moves it; `set_compile_cache(path | None)` (CLI: `--compile-cache DIR|off`) does either
-for the process and wins over the environment. A cache directory the user configured in
-JAX itself (`jax_compilation_cache_dir`) is left as it is.
-
-Whoever can write to the cache directory can put code in every later process, so a
+JAX's persistent cache, on by default in a per-user directory: a second process loads a
+program instead of compiling it. It covers every program of the process (JAX stores those
+that took `jax_persistent_cache_min_compile_time_secs` or more to compile).
+`PACKED_SS_COMPILE_CACHE=off|DIR` or `set_compile_cache(path | None)` (CLI:
+`--compile-cache`) turns it off or moves it; a cache directory configured in JAX itself is
+left as it is. Whoever can write to the cache can put code in every later process, so a
 directory is used only if it is this user's own and nobody else can write to it or swap
-it (see `_distrust`); otherwise the process compiles without the persistent cache, with
-one warning naming the directory and the fix.
-
-It is JAX's cache, so it covers every program of the process, the user's own included.
-JAX stores only programs that took at least `jax_persistent_cache_min_compile_time_secs`
-(1 s by default) to compile.
+it (`_distrust`); otherwise the process compiles without it, with one warning. Where it
+lives and what it saves: docs/api.md.
 """
 
 from __future__ import annotations

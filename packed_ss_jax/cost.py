@@ -1,20 +1,13 @@
-"""What one decoding call costs on the device at hand: seconds per call of the loaded
-model as a function of the call's rows and its cache size, measured by a short
-calibration and kept on disk, so that a schedule's speed can be predicted before it is
-run (tokens per second = tokens per call / seconds per call).
+"""What one decoding call costs on the device at hand, so that a schedule's speed can be
+predicted before it is run (tokens per second = tokens per call / seconds per call).
 
-`calibrate` times the model's forward at a grid of row counts and cache sizes (each
-point one compiled program, run `repeat` times inside one XLA loop, best of three);
-`CostModel.call_s(rows, slots)` interpolates between the points, linearly in the rows
-and in the cache size, and extends the last segment past the grid. The cache size is
-what a call reads: every call attends over the whole cache buffer (the committed slots
-are masked, not sliced), so its length, not the live one, sets the cost.
-
-`load_or_calibrate` keeps one file per device kind, JAX version, dtype and model shape
-(`key_of`) in `$PACKED_SS_COST_DIR`, by default beside the compilation cache
-(`$XDG_CACHE_HOME/packed_ss_jax/cost`). A file that is missing, unreadable or not a
-calibration of that key is measured anew and replaced (written to a temporary file,
-then renamed: an interrupted write leaves the old file or none).
+`calibrate` times the model's forward at a grid of row counts and cache sizes;
+`CostModel.call_s(rows, slots)` interpolates between the points. The cache size is the
+buffer's, not the live length: a call attends over the whole buffer (the committed slots
+are masked, not sliced). `load_or_calibrate` keeps one calibration per device kind, JAX
+version, dtype and model shape (`calibration_id`) on disk and measures anew whatever it
+cannot trust. The grid, the folder and how close the predictions come:
+docs/performance.md#predicting-a-calls-cost.
 """
 
 from __future__ import annotations
@@ -46,9 +39,9 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
-    """Seconds per call at each (cache size, rows) grid point, for one `key`."""
+    """Seconds per call at each (cache size, rows) grid point, for one `calibration_id`."""
 
-    key: str
+    calibration_id: str
     rows: tuple[int, ...]
     slots: tuple[int, ...]
     seconds: tuple[tuple[float, ...], ...]   # [len(slots)][len(rows)]
@@ -71,7 +64,9 @@ class CostModel:
         return max(_between(self.slots, by_slots, slots), min(min(r) for r in self.seconds))
 
     def to_json(self) -> dict:
-        return {"version": VERSION, **dataclasses.asdict(self)}
+        # The file names the id "key" (its layout predates the name).
+        data = dataclasses.asdict(self)
+        return {"version": VERSION, "key": data.pop("calibration_id"), **data}
 
     @classmethod
     def from_json(cls, data) -> CostModel:
@@ -97,10 +92,10 @@ def _between(xs: tuple[int, ...], ys, x: float) -> float:
     return float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
-def key_of(model) -> str:
+def calibration_id(model) -> str:
     """What a calibration is valid for: the device kind and count, the JAX version, the
     matmul precision, the model's shape and its params' shapes and dtypes (a draft
-    adapter, another dtype: another key)."""
+    adapter, another dtype: another id)."""
     c = model.config
     shape = {k: v for k, v in dataclasses.asdict(c).items()
              if isinstance(v, (int, float, str, bool, type(None)))}
@@ -160,7 +155,7 @@ def calibrate(model, rows=ROWS, slots=SLOTS, repeat: int = REPEAT) -> CostModel:
         raise ValueError(f"no calibration row count fits a cache of {sizes[0]} slots")
     t0 = time.perf_counter()
     seconds = tuple(tuple(time_call(model, r, s, repeat) for r in rows) for s in sizes)
-    return CostModel(key_of(model), tuple(rows), tuple(sizes), seconds,
+    return CostModel(calibration_id(model), tuple(rows), tuple(sizes), seconds,
                      time.perf_counter() - t0)
 
 
@@ -173,16 +168,16 @@ def load_or_calibrate(model, directory: str | os.PathLike | None = "default",
                       **calibration) -> CostModel:
     """The model's cost calibration from `directory` (default `$PACKED_SS_COST_DIR`, else
     `default_dir()`; None: neither read nor written), measured and stored when there is
-    none for its key. `calibration`: `calibrate`'s keyword arguments, for a new
+    none for its id. `calibration`: `calibrate`'s keyword arguments, for a new
     measurement (a kept calibration is returned whatever grid it was measured at)."""
-    key = key_of(model)
+    wanted = calibration_id(model)
     if directory == "default":
         directory = os.environ.get(ENV) or default_dir()
-    path = None if directory is None else Path(directory) / f"{key}.json"
+    path = None if directory is None else Path(directory) / f"{wanted}.json"
     if path is not None and path.is_file():
         try:
             found = CostModel.from_json(json.loads(path.read_text()))
-            if found.key == key:
+            if found.calibration_id == wanted:
                 return found
             log.warning("%s holds another model's calibration; measuring anew", path)
         except (OSError, ValueError, OverflowError, RecursionError) as e:   # JSONDecodeError

@@ -45,8 +45,8 @@ class Family:
     # The draft-only adapter's folder and reader (path -> (rank, alpha) or None), if any.
     adapter_dir: str | None
     read_adapter: Callable | None
-    # (model, program) -> Loop (loop.py): run(params, prompt, n, limits, key) -> outcome,
-    # and the same decode in chunks: start, resume, outcome, progress.
+    # (model, program) -> Loop (loop.py): run(params, prompt, prompt_len, limits, key) ->
+    # outcome, and its parts the batched paths run (init, step, outcome, progress).
     build: Callable[[Any, Any], Any]
     # (tokens [T], config) -> (Call, rows [T]): one verifier forward over a whole sequence
     # whose row rows[i] gives the left-to-right distribution of token i (i >= 1), to score

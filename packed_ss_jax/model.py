@@ -1,33 +1,16 @@
 """The shared-weight transformer: one forward for verifier and drafter rows.
 
-The verifier (causal/AR mode) and the drafter (masked-diffusion mode) differ
-only in the attention mask, so the forward takes the mask as data:
+Verifier (causal) and drafter (masked-diffusion) rows differ only in the attention mask,
+so the forward takes the mask as data:
 
     forward(params, tokens[T], positions[T], mask[T, T], cache, cache_len, draft_rows[T])
         -> logits[T, V] float32, kv rows {"k", "v": per layer [kv_heads, T, head_dim]}
 
-Every row sees the first `cache_len` cache slots (or, when `cache_len` is a [S] bool
-vector, the slots it marks: SetDLM masks out entries past a stop); among the new rows, `mask`
-(row attends to column) decides. New rows' keys/values are returned, never
-written: the decoder commits the accepted ones (see `cache.py`, which also says how a
-bf16 cache is stored). RoPE is applied before caching, so a cache slot keeps its own
-position whatever its slot index.
-
-Precision: weights and the cache stay in the config's dtype; every matmul takes
-operands of the weights' dtype and sums in float32 (`dense`, `attend`), at the
-config's `matmul_precision`; the residual stream, norms, RoPE, softmax and logits are
-float32.
-
-Params come in two layouts of the same weights. Stored (checkpoints, training):
-`params["layers"]` holds every layer's weights stacked on a leading axis and the
-layers run under `nn.scan`, so compile time does not grow with depth. Decoding:
-`layer_0 .. layer_{L-1}`, one buffer per weight, the layers unrolled. The decoding
-layout exists because a scanned layer slices its weights out of the stacked buffers
-at a traced index, and XLA materialises those slices: every call would copy all the
-weights once more before reading them (docs/performance.md measures the cost).
-`unstack_layers` / `stack_layers` convert; `forward` takes either.
-The Nemotron (Ministral-3) and SetDLM (Qwen3: per-head q/k RMSNorm, tied head)
-backbones are the same module with different config switches.
+Rows see the first `cache_len` cache slots (or those a [S] bool `cache_len` marks) and
+each other as `mask` says; their keys and values (RoPE applied) are returned, never
+written: the decoder commits the accepted ones (cache.py). Params come stacked over the
+layers (stored, `nn.scan`) or per layer (decoding, unrolled), and `forward` takes either;
+why, and each operation's precision: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -416,9 +399,11 @@ class Model:
         return stack_layers(self.params)
 
     @property
-    def key(self):
-        """Identifies the compiled code: programs depend on the config, not on the weights."""
+    def program_key(self):
+        """What its compiled programs are stored under: they depend on the config, not on
+        the weights (not a PRNG key)."""
         return ("transformer", self.config)
+
 
     @property
     def mask_id(self) -> int:

@@ -1,10 +1,12 @@
 """The request layer: a decode's options as one frozen value, checked once into a request.
 
 `DecodeOptions` holds what a decode is asked to do (schedule, width, order, sampling,
-length, stops, cache); `request` / `batch` check a prompt and its options against a
-model once and give a `Request` / `Batch`: the `Program` (everything a compiled decode
-is specialised on) and the traced arguments (the padded prompt, its length, the
-family's limits with the sampling values, the seed). Nothing is compiled or run here.
+length, stops, cache, seed). `DecodeOptions.check(family, config)` checks every option
+once, against the family and the config, into the `Program` (everything a compiled
+decode is specialised on) and the traced limits; `request` / `batch` add the prompt(s)
+and give a `Request` / `Batch`: the program and the traced arguments (the padded prompt,
+its length, the family's limits with the sampling values, the seed). Nothing is compiled
+or run here.
 
 One sizing rule serves every path (`capacity_for`, `bucket_for`): the cache is the
 request's tokens rounded up to a power of two, the prompt padded to a power of two, so
@@ -22,20 +24,62 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import memory, sampling, stops, validate
-from .sampling import Sampling
+from .sampling import Sampler, Sampling
+from .shape import Shape
+from .validate import MAX_CACHE, InputError, InputTypeError
 
 MIN_BUCKET = 16
 MIN_CAPACITY = 128
 DEFAULT_CACHE_SIZE = 4096
+DEFAULT_BRANCHES = 2   # Branched-SS: the zero-accepted branch and the all-accepted one
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """What one compiled decode program is specialised on; all else is traced."""
+
+    family: str
+    shape: Shape      # the schedule, its width (B or W) and Branched-SS's k
+    bucket: int       # padded prompt length
+    capacity: int     # KV slots for prompt + output
+    sampling: Sampling = Sampling()
+    order: str = "ltr"
+
+    @property
+    def schedule(self) -> str:
+        return self.shape.schedule
+
+    @property
+    def width(self) -> int:
+        """The family's width: block size B (Nemotron), window W (SetDLM); 1 for the
+        one-token reference."""
+        return self.shape.width
+
+    @property
+    def branches(self) -> int:
+        return self.shape.branches
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """A decode's options checked (`DecodeOptions.check`): its program (bucket 0 until the
+    prompt is known), the traced limits (length, stop markers with EOS, sampling values),
+    the length limit and the stops given as text (searched for on the host)."""
+
+    program: Program
+    limits: dict[str, Any]
+    max_new: int
+    stop_texts: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeOptions:
-    """What one decode is asked to do (the keyword arguments of `decode`)."""
+    """What one decode is asked to do: `decode`'s keyword arguments, with the width under
+    one name (the family's B or W; the public functions take it as `block_size` or
+    `window`). Nothing is checked until `check`."""
 
     schedule: str = "packed"
-    block_size: int | None = None     # Nemotron's width B (default: the config's)
-    window: int | None = None         # SetDLM's width W (default: the checkpoint's)
+    width: int | None = None          # B (Nemotron) or W (SetDLM); default: the config's
     order: str = "ltr"
     temperature: float = 0.0
     top_k: int | None = None
@@ -45,20 +89,136 @@ class DecodeOptions:
     stop_sequences: Sequence = ()
     cache_size: int | None = None
     branches: int | None = None       # Branched-SS's k (default 2)
+    seed: int | Sequence[int] = 0     # one seed, or (a batch) one per prompt
+
+    def check(self, family, config, *, tokenizer=None, prompt_len: int | None = None
+              ) -> Checked:
+        """Every option but the seed, checked against the family and the config, once
+        (and with `prompt_len`, that the request fits the cache); stop strings are
+        tokenized with `tokenizer`.
+
+        Without a `cache_size`, the capacity is sized to the request: prompt +
+        max_new_tokens rounded up to a power of two (at least MIN_CAPACITY), so attention
+        reads a buffer the size of the sequence, not of the model's longest context. With
+        no prompt length (`decoder`, before the prompt's shape is known) it is
+        min(DEFAULT_CACHE_SIZE, max_position_embeddings)."""
+        sampler = validate.sampler(self.temperature, self.top_k, self.top_p)
+        schedule_and_order(family, self.schedule, self.order, sampler)
+        width = family.width(self.schedule, validate.integer(
+            config.block_size if self.width is None else self.width, family.width_name,
+            family.min_width, MAX_CACHE, "a block must fit the cache, whose positions are int32"))
+        max_new = validate.integer(self.max_new_tokens, "max_new_tokens", 1, MAX_CACHE,
+                                   "prompt + max_new_tokens must fit the cache, whose "
+                                   "positions are int32")
+        eos = _eos_id(self.eos_id, config, config.vocab_size)
+        shape = Shape(self.schedule, width,
+                      branches(self.branches, self.schedule, width, family.width_name))
+        with validate.about("stop_sequences"):
+            limits, texts = stops.of_request(tokenizer, config.vocab_size, max_new, eos,
+                                             self.stop_sequences)
+        need = None if prompt_len is None else max(prompt_len + max_new, width)
+        capacity = _cache_size(self.cache_size, config, block=width,
+                                       block_name=family.width_name,
+                                       default=DEFAULT_CACHE_SIZE if need is None else
+                                       capacity_for(need))
+        if prompt_len is not None:
+            _fits(prompt_len, max_new, capacity)
+        program = Program(family.name, shape, 0, capacity, sampler.sampling, self.order)
+        return Checked(program, {**limits, **sampling.traced_values(sampler)}, max_new, texts)
 
 
-@dataclasses.dataclass(frozen=True)
-class Program:
-    """What one compiled decode program is specialised on; all else is traced."""
+def _eos_id(value, config, vocab: int) -> int | None:
+    """-1 (the config's EOS), None (no EOS stop) or a token id."""
+    if value is None:
+        return None
+    if validate.is_int(value) and value == -1:
+        value = getattr(config, "eos_token_id", None)
+        if value is not None and not 0 <= value < vocab:
+            raise InputError(f"the config's eos_token_id {value} is outside the vocabulary "
+                             f"[0, {vocab}); pass eos_id=None or a valid id", "eos_id")
+        return value
+    if not validate.is_int(value):
+        raise InputTypeError(f"eos_id must be a token id, -1 (the config's EOS) or None, "
+                             f"got {value!r}", "eos_id")
+    if not 0 <= value < vocab:
+        raise InputError(f"eos_id {value} is outside the vocabulary [0, {vocab})", "eos_id")
+    return int(value)
 
-    family: str
-    schedule: str
-    width: int        # the family's width: block size B (Nemotron), window W (SetDLM)
-    bucket: int       # padded prompt length
-    capacity: int     # KV slots for prompt + output
-    sampling: Sampling = Sampling()
-    order: str = "ltr"
-    branches: int = 1  # Branched-SS's k (1 for every other schedule)
+
+def _cache_size(value, config, *, block: int, block_name: str, default: int) -> int:
+    """KV slots (None: `default`), at least one block (`block` rows under `block_name`)."""
+    if value is None:
+        value = min(default, getattr(config, "max_position_embeddings", default))
+    value = validate.integer(value, "cache_size", 1)
+    if value > MAX_CACHE:
+        raise InputError(f"cache_size {value} is too large (at most {MAX_CACHE}: positions "
+                         "are int32)", "cache_size")
+    if block > value:
+        raise InputError(f"{block_name} {block} does not fit the cache ({value} slots): use "
+                         f"{block_name} <= {value} or a larger cache_size", "cache_size")
+    return value
+
+
+def _fits(prompt_len: int, max_new: int, cache: int) -> None:
+    if prompt_len + max_new > cache:
+        raise InputError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new}) = "
+                         f"{prompt_len + max_new} exceeds the cache ({cache} slots); "
+                         "shorten the request or pass a larger cache_size", "max_new_tokens")
+
+
+def width_of(family, **given) -> int | None:
+    """The width given at the public edge (`decode`, `stream`, `decode_continuous`,
+    `decoder`), where each family takes it under its own name (`block_size=` for
+    Nemotron, `window=` for SetDLM): the one place those names become
+    `DecodeOptions.width`. The other family's name is refused, naming it."""
+    other = [name for name, v in given.items() if v is not None and name != family.width_name]
+    if other:
+        raise InputError(f"{family.title} models take {family.width_name}=, not {other[0]}=",
+                         other[0])
+    return given.get(family.width_name)
+
+
+def _choice(value, name: str, choices, where: str = "") -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise InputError(f"unknown {name} {value!r}{where}; expected one of {sorted(choices)}",
+                         name)
+    return value
+
+
+def schedule_and_order(family, schedule, order, sampler: Sampler) -> None:
+    """The schedule, order and sampling combination is one the family decodes."""
+    _choice(schedule, "schedule", family.schedules, f" for {family.title} models")
+    if order != family.orders[0]:
+        if len(family.orders) == 1:
+            raise InputError(f"order {order!r}: {family.title} models verify in one order "
+                             f"only, order={family.orders[0]!r}", "order")
+        _choice(order, "order", family.orders)
+        if schedule in family.orderless:
+            raise InputError(f"schedule {schedule!r} has no verification order; use "
+                             f"order={family.orders[0]!r}", "order")
+    if not sampler.greedy:
+        if schedule not in family.sampled:
+            raise InputError(f"schedule {schedule!r} is greedy only: temperature must be 0; "
+                             f"sampling is supported by {sorted(family.sampled)}",
+                             "temperature")
+        if order != family.orders[0]:
+            raise InputError("any-order sampling is not supported: temperature > 0 needs "
+                             f"order={family.orders[0]!r}", "temperature")
+
+
+def branches(value, schedule: str, width: int, width_name: str = "block_size") -> int:
+    """Branched-SS's k: 1 <= k <= the width (Nemotron: one branch per outcome of the B - 1
+    drafts, the zero-accepted one among them; SetDLM: per outcome that leaves a rank of
+    the W to draft); given for another schedule, an error."""
+    if schedule != "branched":
+        if value is not None:
+            raise InputError(f"branches applies to schedule 'branched' only, not {schedule!r}",
+                             "branches")
+        return 1
+    if value is None:
+        return min(DEFAULT_BRANCHES, width)
+    return validate.integer(value, "branches", 1, width, f"at most one per acceptance "
+                                                         f"outcome: {width_name} {width}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +234,8 @@ class Request:
     auto: dict | None = None   # schedule "auto": its choice (planner.Choice.summary)
 
     def host_args(self, seed=None) -> tuple:
-        """The program's arguments after params, as numpy arrays: padded prompt, its
-        length, limits, seed."""
+        """The program's arguments after params, as numpy arrays: the padded prompt,
+        prompt_len, the limits, the seed."""
         padded = np.zeros(self.program.bucket, np.int32)
         padded[: len(self.prompt)] = self.prompt
         return (padded, np.int32(len(self.prompt)), self.limits,
@@ -96,8 +256,8 @@ class Batch:
 
     def host_args(self) -> tuple:
         """The batched program's arguments after params, as numpy arrays: padded prompts
-        [N, bucket], their lengths [N], the limits stacked on a leading N axis, seeds [N]
-        (rows of them are the arguments of a sub-batch)."""
+        [N, bucket], their prompt_len [N], the limits stacked on a leading N axis, seeds
+        [N] (rows of them are the arguments of a sub-batch)."""
         rs = self.members
         padded = np.zeros((len(rs), self.program.bucket), np.int32)
         for i, r in enumerate(rs):
@@ -131,9 +291,9 @@ def _power_of_two(n: int, least: int) -> int:
     return b
 
 
-def bucket_for(n: int, capacity: int) -> int:
+def bucket_for(prompt_len: int, capacity: int) -> int:
     """Prompt length rounded up to a power of two (at least MIN_BUCKET, at most capacity)."""
-    return min(_power_of_two(n, MIN_BUCKET), capacity)
+    return min(_power_of_two(prompt_len, MIN_BUCKET), capacity)
 
 
 def capacity_for(need: int) -> int:
@@ -141,36 +301,12 @@ def capacity_for(need: int) -> int:
     return _power_of_two(need, MIN_CAPACITY)
 
 
-def plan(family, config, options: DecodeOptions, *, tokenizer=None, prompt_len=None):
-    """The program (bucket 0: set once the prompt is known), the traced limits and the
-    length limit of `options`, every option checked (and with `prompt_len`, that the
-    request fits the cache).
-
-    Without a `cache_size`, the capacity is sized to the request: prompt + max_new_tokens
-    rounded up to a power of two (at least MIN_CAPACITY), so attention reads a buffer the
-    size of the sequence, not of the model's longest context. With no prompt length
-    (`decoder`, before the prompt's shape is known) it is min(DEFAULT_CACHE_SIZE,
-    max_position_embeddings)."""
-    o = options
-    c = validate.decode_options(family, config, o)
-    limits = {**stops.limits(tokenizer, config.vocab_size, c.max_new, c.eos, o.stop_sequences),
-              **sampling.traced_values(c.sampler)}
-    need = None if prompt_len is None else max(prompt_len + c.max_new, c.width)
-    capacity = validate.cache_size(o.cache_size, config, block=c.width,
-                                   block_name=family.width_name,
-                                   default=DEFAULT_CACHE_SIZE if need is None else
-                                   capacity_for(need))
-    if prompt_len is not None:
-        validate.fits(prompt_len, c.max_new, capacity)
-    program = Program(family.name, o.schedule, c.width, 0, capacity, c.sampler.sampling, o.order,
-                      c.branches)
-    return program, limits, c.max_new
-
-
 def read_once(options: DecodeOptions) -> DecodeOptions:
-    """`options` with its stop markers read into a checked tuple: they are read twice (the
-    marker table, then the text stops), and a generator gives nothing the second time."""
-    return dataclasses.replace(options, stop_sequences=stops.markers(options.stop_sequences))
+    """`options` with its stop markers read into a checked tuple, for options checked more
+    than once (`auto` checks them per candidate): a generator gives nothing the second
+    time."""
+    with validate.about("stop_sequences"):
+        return dataclasses.replace(options, stop_sequences=stops.markers(options.stop_sequences))
 
 
 def _sized(model, program: Program, prompt_len: int, max_new: int, at_once: int = 1,
@@ -182,34 +318,32 @@ def _sized(model, program: Program, prompt_len: int, max_new: int, at_once: int 
     return program
 
 
-def request(model, family, prompt, options: DecodeOptions, seed=0) -> Request:
-    """A checked request for one prompt (text or token ids)."""
-    options = read_once(options)
-    seed = validate.seed(seed)
+def request(model, family, prompt, options: DecodeOptions, seed=None) -> Request:
+    """A checked request for one prompt (text or token ids), with the options' seed or
+    `seed`."""
+    seed = validate.seed(options.seed if seed is None else seed)
     ids = validate.prompt_ids(model, prompt)
-    program, limits, max_new = plan(family, model.config, options, prompt_len=len(ids),
-                                    tokenizer=getattr(model, "tokenizer", None))
-    program = _sized(model, program, len(ids), max_new)
-    return Request(program, ids, limits, seed, max_new, stops.texts(options.stop_sequences))
+    c = options.check(family, model.config, tokenizer=getattr(model, "tokenizer", None),
+                      prompt_len=len(ids))
+    program = _sized(model, c.program, len(ids), c.max_new)
+    return Request(program, ids, c.limits, seed, c.max_new, c.stop_texts)
 
 
-def batch(model, family, prompts, options: DecodeOptions, seed=0,
+def batch(model, family, prompts, options: DecodeOptions, seed=None,
           sequences: int | None = None) -> Batch:
-    """Checked requests for a batched decode: `prompts` a non-empty list of prompts, `seed`
-    one seed for every prompt or one per prompt. The batch shares one program: prompts
-    are padded to the bucket of the longest, the cache sized for the longest request.
-    `sequences`: how many are decoded at once (a queue's slots; default all), for the
-    memory check."""
-    options = read_once(options)
+    """Checked requests for a batched decode: `prompts` a non-empty list of prompts, the
+    seed (the options', or `seed`) one for every prompt or one per prompt. The batch
+    shares one program: prompts are padded to the bucket of the longest, the cache sized
+    for the longest request. `sequences`: how many are decoded at once (a queue's slots;
+    default all), for the memory check."""
     prompts = validate.prompt_list(prompts)
     ids = [validate.prompt_ids(model, p, f"prompts[{i}]: ") for i, p in enumerate(prompts)]
-    seeds = validate.seeds_for(seed, len(ids))
+    seeds = validate.seeds_for(options.seed if seed is None else seed, len(ids))
     longest = max(len(x) for x in ids)
-    program, limits, max_new = plan(family, model.config, options, prompt_len=longest,
-                                    tokenizer=getattr(model, "tokenizer", None))
+    c = options.check(family, model.config, tokenizer=getattr(model, "tokenizer", None),
+                      prompt_len=longest)
     at_once = len(ids) if sequences is None else min(sequences, len(ids))
-    program = _sized(model, program, longest, max_new, at_once, "a smaller cache_size or "
+    program = _sized(model, c.program, longest, c.max_new, at_once, "a smaller cache_size or "
                      "fewer " + ("prompts per call" if sequences is None else "slots"))
-    texts = stops.texts(options.stop_sequences)
-    return Batch(program, tuple(Request(program, x, limits, s, max_new, texts)
+    return Batch(program, tuple(Request(program, x, c.limits, s, c.max_new, c.stop_texts)
                                 for x, s in zip(ids, seeds)))

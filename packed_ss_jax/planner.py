@@ -40,7 +40,7 @@ import jax
 import numpy as np
 
 from . import cost as cost_lib
-from . import memory, options as options_lib, validate
+from . import memory, options as options_lib, scheduler, validate
 from .acceptance import AcceptanceModel, Candidate, Tally
 from .engine import Engine
 from .options import DecodeOptions
@@ -73,7 +73,9 @@ SQUARE_WIDTHS = (4, 8)
 BRANCHED = ((8, 2), (16, 2))   # (B, k)
 
 log = logging.getLogger(__name__)
-_planners = threading.RLock()   # making and attaching engines' planners
+_planners = threading.RLock()   # making and attaching models' planners
+# The attribute of a Model object that keeps its planner (beside its engine, `Engine.of`).
+_ATTRIBUTE = "_auto_planner"
 
 
 def allows(family, c: Candidate, width: int | None = None, branches: int | None = None,
@@ -149,8 +151,8 @@ def fingerprint(params) -> str:
 
 
 class Planner:
-    """`auto`'s choices for one engine (one loaded model): its cost model, acceptance
-    model and the choices kept so far. `Planner.of(engine)` is the engine's own."""
+    """`auto`'s choices for one loaded model: its cost model, acceptance model and the
+    choices kept so far. `Planner.of(model)` is the one kept with the Model object."""
 
     def __init__(self, engine: Engine, *, cost: cost_lib.CostModel | None = None,
                  acceptance: AcceptanceModel | None = None,
@@ -175,21 +177,28 @@ class Planner:
         self._lock = threading.RLock()
 
     @classmethod
-    def of(cls, engine: Engine) -> Planner:
-        """The planner `schedule="auto"` uses for the engine: made on first use with the
-        defaults, or the one `attach` gave it."""
+    def of(cls, model) -> Planner:
+        """The planner `schedule="auto"` uses for a Model (or an engine's model): made on
+        first use with the defaults, or the one `attach` gave it."""
+        model = model.model if isinstance(model, Engine) else model
         with _planners:   # two threads' first auto decodes make one planner
-            planner = getattr(engine, "_planner", None)
-            return cls(engine).attach() if planner is None else planner
+            planner = getattr(model, _ATTRIBUTE, None)
+            return cls(Engine.of(model)).attach() if planner is None else planner
 
     def attach(self) -> Planner:
-        """Makes this the planner `schedule="auto"` uses for its model (the model's own
-        engine, `Engine.of`: its candidates, calibration folder or models instead of the
-        defaults)."""
+        """Makes this the planner `schedule="auto"` uses for its model (on the model's
+        own engine, `Engine.of`: its candidates, calibration folder or models instead of
+        the defaults)."""
         with _planners:
             self.engine = Engine.of(self.engine.model)
-            self.engine._planner = self
+            object.__setattr__(self.engine.model, _ATTRIBUTE, self)   # a frozen Model too
         return self
+
+    def detach(self) -> None:
+        """The model's next `auto` decode makes a planner with the defaults again."""
+        with _planners:
+            if getattr(self.engine.model, _ATTRIBUTE, None) is self:
+                object.__delattr__(self.engine.model, _ATTRIBUTE)
 
     # --- calibration ----------------------------------------------------------------------
 
@@ -247,7 +256,8 @@ class Planner:
             return None
         if self._weights is None:
             self._weights = fingerprint(self.engine.model.params)
-        text = json.dumps({"key": cost_lib.key_of(self.engine.model), "weights": self._weights,
+        text = json.dumps({"key": cost_lib.calibration_id(self.engine.model),
+                           "weights": self._weights,
                            "prompts": [p if isinstance(p, str) else list(map(int, p))
                                        for p in self.prompts], "max_new": self.max_new,
                            "candidate": c.to_json()}, sort_keys=True)
@@ -258,7 +268,7 @@ class Planner:
         batch = engine.batch(self.prompts, DecodeOptions(**c.options(self.family),
                                                          max_new_tokens=self.max_new))
         t = Tally()
-        for r in engine.decode_batch(batch):
+        for r in scheduler.decode_batch(engine, batch):
             t.add(len(r.tokens), r.iterations, r.accept_hist)
         return t
 
@@ -279,8 +289,8 @@ class Planner:
         # Every other option is checked once, on the reference: its errors are the
         # request's, not a candidate's.
         tokenizer = getattr(self.engine.model, "tokenizer", None)
-        reference, _, _ = options_lib.plan(family, config, self.options_for(
-            options, Candidate(family.reference, 1)), prompt_len=prompt_len, tokenizer=tokenizer)
+        reference = self.options_for(options, Candidate(family.reference)).check(
+            family, config, tokenizer=tokenizer, prompt_len=prompt_len).program
         sampled = not reference.sampling.greedy
         pool = self.candidates
         if not self.own_candidates and (width is not None or options.branches is not None):
@@ -291,13 +301,15 @@ class Planner:
         if asked and len(pool) == 1:   # only the reference: the width or k asked is not there
             raise InputError(f"schedule 'auto': no speculative candidate has {' and '.join(asked)}"
                              f" (the candidates: "
-                             f"{', '.join(c.label(family) for c in self.candidates)})")
+                             f"{', '.join(c.label(family) for c in self.candidates)})",
+                             family.width_name if width is not None else "branches")
         feasible = []
         for c in pool:
             try:
-                program, _, max_new = options_lib.plan(family, config, self.options_for(
-                    options, c), prompt_len=prompt_len, tokenizer=tokenizer)
-                memory.check(self.engine.model, program, max_new, sequences)
+                checked = self.options_for(options, c).check(
+                    family, config, tokenizer=tokenizer, prompt_len=prompt_len)
+                program = checked.program
+                memory.check(self.engine.model, program, checked.max_new, sequences)
             except InputError:   # its block or its state does not fit: not a candidate
                 continue
             # What a call reads: the cache and one block of headroom (memory.state_bytes).
@@ -327,23 +339,23 @@ class Planner:
                 f"schedule 'auto' verifies in order {family.orders[0]!r} only: in another "
                 "order each schedule's output follows its own verification orders, so the "
                 "choice would change the tokens; name the schedule to decode in order "
-                f"{options.order!r}")
-        width = validate.given_width(family, options)
+                f"{options.order!r}", "order")
+        width = options.width
         if width is not None:
             width = validate.integer(width, family.width_name, family.min_width,
                                      validate.MAX_CACHE, "a block must fit the cache")
         if options.branches is not None:
             if "branched" not in family.schedules:
                 raise InputError(f"branches applies to schedule 'branched', which "
-                                 f"{family.title} models do not have")
-            validate.branches(options.branches, "branched", width or validate.MAX_CACHE,
-                              family.width_name)
+                                 f"{family.title} models do not have", "branches")
+            options_lib.branches(options.branches, "branched", width or validate.MAX_CACHE,
+                                 family.width_name)
         return width
 
     def options_for(self, options: DecodeOptions, c: Candidate) -> DecodeOptions:
         """`options` with the candidate's schedule, width and branches."""
-        fields = {"block_size": None, "window": None, "branches": None, **c.options(self.family)}
-        return dataclasses.replace(options, **fields)
+        return dataclasses.replace(options, **{"width": None, "branches": None,
+                                               **c.options(self.family)})
 
     def observe(self, results) -> None:
         """Adds decodes of one "auto" choice (DecodeResults, their `auto` set) to the

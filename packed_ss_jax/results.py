@@ -103,18 +103,23 @@ def _setdlm_trace(out: dict, iters: int) -> dict:
 
 
 def of_outcome(model, family, request: Request, out: dict, wall_s: float,
-               compile_s: float) -> DecodeResult:
-    """The DecodeResult of one decode's outcome (host arrays). Why the loop stopped was
-    decided in the loop (`stopped`: a stop marker, EOS among them); a stop given as text
-    may still end the output earlier, wherever the decoded text spells it."""
+               compile_s: float, final: int | None = None) -> DecodeResult:
+    """The DecodeResult of one decode's outcome (host arrays), every path's: NonFiniteError
+    if the loop met NaN/Inf logits; `final` cuts the output to the tokens handed out so far
+    (a decode ended on the host before its loop stopped). Why the loop stopped was decided
+    in the loop (`stopped`: a stop marker, EOS among them); a stop given as text may still
+    end the output earlier, wherever the decoded text spells it."""
+    check_finite(out["nonfinite_at"], out["iterations"], out["tokens"])
     p = request.program
     iters = int(out["iterations"])
-    tokens = np.asarray(out["tokens"])[: int(out["n_tokens"])].tolist()
+    count = int(out["n_tokens"]) if final is None else final
+    tokens = np.asarray(out["tokens"])[:count].tolist()
     tokenizer = getattr(model, "tokenizer", None)
     text = tokenizer.decode(tokens) if tokenizer is not None else None
     finish = "stop" if bool(out["stopped"]) else "length"
     stop_at = None
-    cut = stops.cut_text(tokenizer.decode, tokens, request.stop_texts) if text else None
+    cut = (stops.cut_text(tokenizer.decode, tokens, request.stop_texts)
+           if text and request.stop_texts else None)
     if cut is not None:
         tokens, text, stop_at = cut
         finish = "stop"

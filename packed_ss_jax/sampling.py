@@ -1,39 +1,14 @@
 """Exact speculative sampling (Section 3.2, Algorithm 2).
 
 The target is the verifier's tempered, truncated distribution `p`. Each draft token
-carries the distribution `Q` it was sampled from, even when `Q` was computed from an
-older prefix (Packed-SS drafts one call ahead): a draft `d` is accepted with
-probability min(1, p(d) / Q(d)); at the first rejection the correction is drawn from
-normalised [p - Q]_+; after full acceptance a bonus is drawn from p. With this rule
-the output follows the AR distribution exactly, whatever `Q` is, so `Q` may be
-truncated further for storage without any effect on the output law.
+carries the distribution `Q` it was drawn from, even when `Q` came from an older prefix:
+a draft `d` is accepted with probability min(1, p(d) / Q(d)), the first rejection draws
+the correction from normalised [p - Q]_+, full acceptance a bonus from p. The output then
+follows the AR law whatever `Q` is, so `Q` may be truncated for storage (`Q_STORE`).
 
-Everything is computed on log-probabilities. A small temperature turns logits into
-numbers of order |logit| / T: once those pass ~1e9, a float32 softmax is one
-rounding away from exp(+large) = inf and inf / inf = NaN (XLA multiplies by 1 / T and
-fuses the product into an FMA, so the largest shifted logit is not 0 but the
-product's rounding error). Here the largest logit is set to exactly 0 before the
-scaling, tokens are drawn with the Gumbel-max trick on log-probabilities, the
-acceptance is exp(min(0, log p - log Q)) and the residual is formed in log space, so
-any T > 0 gives a valid law and T -> 0 gives the argmax. NaN logits count as -inf
-here (the decode loop reports them, see nemotron/state.py); a drawn id is always in
-[0, V).
-
-Storage of Q: with top-k, the k largest entries ([W, k] ids and log-probabilities);
-otherwise the `Q_STORE` most likely ones, whatever top-p is (the cap only changes which
-drafts are proposed). One storage shape for every temperature and top-p is what lets
-requests with different ones share a decode state (the server's slots). Top-p keeps at
-least the most likely token at any p > 0, so p -> 0 tends to greedy, as T -> 0 does.
-
-A sampled program also decodes greedily, as data: a temperature of exactly 0 takes the
-argmax wherever the greedy program would (`Sampler.argmax`), so greedy and sampled
-requests can share one program; `decode` itself still compiles greedy requests into
-the greedy program, which carries no proposal distributions. Vmapped over a batch, a
-per-row choice computes both sides for every row, so a batch's step first makes a plan
-from its live rows' values (`batch_plan`, one of `PLANS`, passed unbatched into the
-vmapped step, where branching on it is a real branch): every live row greedy, only the
-greedy side runs; no live row truncating by top-p, no nucleus sort; else each row by
-its own values. Each plan computes the same values for the rows it is made for.
+Everything is computed on log-probabilities, so any temperature > 0 gives a valid law.
+A sampled program decodes a temperature of exactly 0 greedily, as data; a batch's step
+branches on its live rows' values (`batch_plan`). The rules and why: docs/sampling.md.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import numpy as np
 
 from . import options, validate
 from .engine import Engine, to_host
+from .programs import Key
 
 MAX_TOP = 20   # the most likely tokens reported per position (OpenAI's limit)
 
@@ -60,6 +61,6 @@ def _program(engine: Engine, length: int):
         top_logp, top_ids = jax.lax.top_k(logp, MAX_TOP)
         return jnp.take_along_axis(logp, tokens[:, None], 1)[:, 0], top_ids, top_logp
 
-    exe, _ = engine.compile(("score", length), scores, m.params,
+    exe, _ = engine.compile(Key("score", rows=length), scores, m.params,
                             *engine.place((np.zeros(length, np.int32),)))
     return exe

@@ -99,6 +99,14 @@ def limits(tokenizer, vocab: int, max_new: int, eos_id: int | None, stop_sequenc
     return {"max_new": np.int32(max_new), **table(tokenizer, vocab, eos_id, stop_sequences)}
 
 
+def of_request(tokenizer, vocab: int, max_new: int, eos_id: int | None,
+               stop_sequences) -> tuple[dict, tuple[str, ...]]:
+    """A request's `limits` and its stops given as `texts`, the markers read once (they
+    may be an iterator)."""
+    seqs = markers(stop_sequences)
+    return limits(tokenizer, vocab, max_new, eos_id, seqs), texts(seqs)
+
+
 def texts(stop_sequences) -> tuple[str, ...]:
     """The stops given as text (checked on the decoded text after the loop)."""
     return tuple(s for s in markers(stop_sequences) if isinstance(s, str))

@@ -1,41 +1,14 @@
 """Chat templates rendered in a worker process, under a wall-time and an output-size limit.
 
 A chat template is code that came with a checkpoint. Jinja's sandbox stops it reaching
-Python's internals, but not from looping (two nested `range(100000)` loops run 10**10
-times), recursing, or building a gigabyte string (`'{:>1000000000}'.format(1)`,
-`'%1000000000d' % 1`, `'a' * 10**9`, `tojson(indent=...)`; Jinja even folds constant
-expressions like the last one while compiling). So templates are compiled and rendered in
-one worker process, started from this file as a script (the package, and with it JAX, is
-not imported there; with `-I`, so nothing from the environment or this directory shadows a
-module):
-
-- the caller waits at most `time_limit` seconds (default TIME_LIMIT, 5 s: real templates
-  render in about a millisecond, so 5 s is three orders of magnitude of slack and still
-  frees a server thread soon), then kills the worker (SIGKILL) and starts a new one on the
-  next render;
-- the output may hold at most `max_chars` characters (default MAX_CHARS, 4 Mi: about a
-  million tokens at ~4 characters a token, more than any context these models decode, and
-  small enough for the tokenizer, which panics at around 100 million);
-- the worker's address space is capped while it renders (RLIMIT_AS, MAX_MEMORY = 256 MiB,
-  or 32 bytes per allowed character when that is more: an idle worker maps about 27 MiB,
-  and a 4 Mi character rendering takes a few copies of at most 16 MiB), so a giant string
-  is a MemoryError there, not a dead server;
-- its CPU time is capped at the time limit plus one or two seconds (RLIMIT_CPU), for a
-  worker nobody kills; it writes no core file.
-
-One worker serves the whole process, started on the first render and shared under a
-lock (a render costs one pipe round trip more than in-process, and the conversation's
-pickling); it is killed at interpreter exit, and it exits by itself
-when its parent goes (at the end of its input, or within ORPHAN_CHECK = 0.5 s
-mid-render). Requests go to the worker pickled (the parent is trusted; plain data only,
-which the worker loads without importing anything); replies come back as JSON (the worker
-ran untrusted code, so its reply is data, parsed and checked, never unpickled). Frames are
-an 8-byte big-endian length and the payload.
-
-The Jinja environment is transformers' (see chat.py): sandboxed and immutable,
-`trim_blocks`, `lstrip_blocks`, `loopcontrols`, `{% generation %}` blocks, transformers'
-`tojson`, `raise_exception` and `strftime_now`. This module uses the standard library only
-(and Jinja, in the worker), so it runs as a script; chat.py words the failures.
+Python's internals, but not from looping, recursing or building a gigabyte string, so
+templates are compiled and rendered in one worker process, started from this file as a
+script (`-I`; neither the package nor JAX is imported there) and shared under a lock.
+Past `time_limit` the caller kills it (SIGKILL) and the next render starts a new one; its
+output is capped at `max_chars`, its address space and CPU time by rlimits. Requests go
+to it pickled (the parent is trusted); replies come back as JSON, parsed and checked,
+never unpickled. The limits and why: docs/hostile_input.md#chat-templates; chat.py
+words the failures.
 """
 
 from __future__ import annotations

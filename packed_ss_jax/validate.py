@@ -1,6 +1,6 @@
-"""Every check of a decode request, shared by both families' decoders: its options
-(`decode_options`: sampling, schedule and order, width, length, EOS), its prompt and seeds,
-and the values they are made of.
+"""The checks of the values a decode request is made of, one value at a time: integers,
+text, the sampling settings, seeds, EOS, the cache size, token ids and prompts (how the
+options combine is checked once, by `options.DecodeOptions.check`).
 
 Every argument is checked (and normalised to a Python value) before anything is
 allocated or compiled, so a careless call costs nothing and says what is wrong. NumPy
@@ -11,6 +11,7 @@ Python, never a sensible block size or token id).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Iterable, Mapping
 
@@ -30,11 +31,30 @@ TOP_P_TINY = float(np.finfo(np.float32).tiny)
 
 
 class InputError(ValueError):
-    """A decode argument that cannot describe a request."""
+    """A decode argument that cannot describe a request. `param`: the name of the argument
+    (the request field) it is about, where one is: "temperature", "stop_sequences",
+    "max_new_tokens", "prompt", "block_size", ..."""
+
+    def __init__(self, message: str = "", param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class InputTypeError(InputError, TypeError):
     """A decode argument of the wrong type (also a TypeError, for callers that catch one)."""
+
+
+@contextlib.contextmanager
+def about(param: str):
+    """InputErrors raised inside without a `param` are about `param` (the checks of a
+    value that do not know which argument holds it: a stop marker's ids, a template's
+    keywords)."""
+    try:
+        yield
+    except InputError as e:
+        if e.param is None:
+            e.param = param
+        raise
 
 
 def is_int(value) -> bool:
@@ -48,24 +68,25 @@ def integer(value, name: str, minimum: int | None = None, maximum: int | None = 
     value past `maximum`, `why` that is the bound."""
     bound = "" if minimum is None else f" >= {minimum}"
     if not is_int(value):
-        raise InputTypeError(f"{name} must be an integer{bound}, got {value!r}")
+        raise InputTypeError(f"{name} must be an integer{bound}, got {value!r}", name)
     if minimum is not None and value < minimum:
-        raise InputError(f"{name} must be an integer{bound}, got {value!r}")
+        raise InputError(f"{name} must be an integer{bound}, got {value!r}", name)
     if maximum is not None and value > maximum:
         raise InputError(f"{name} {value} is too large: at most {maximum}"
-                         + (f" ({why})" if why else ""))
+                         + (f" ({why})" if why else ""), name)
     return int(value)
 
 
-def text(value: str, what: str) -> str:
+def text(value: str, what: str, param: str | None = None) -> str:
     """`value` if it is valid Unicode text. A lone surrogate (what a JSON "\\ud800" escape or
     invalid UTF-8 on a command line decodes to) cannot be encoded, so no tokenizer or
-    template can take it: refused here with the place named."""
+    template can take it: refused here with the place (`what`) named."""
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
         raise InputError(f"{what} is not valid Unicode text: a lone surrogate "
-                         f"(U+{ord(value[e.start]):04X}) at character {e.start}") from None
+                         f"(U+{ord(value[e.start]):04X}) at character {e.start}",
+                         param) from None
     return value
 
 
@@ -78,7 +99,8 @@ def encode(tokenizer, value: str, *, add_special_tokens: bool = True) -> list[in
 
 def check_model(model) -> None:
     """Refuses anything that is not a model (a params dict, a path, None) up front."""
-    needed = ("config", "params", "forward", "empty_cache", "vocab_size", "mask_id", "key")
+    needed = ("config", "params", "forward", "empty_cache", "vocab_size", "mask_id",
+              "program_key")
     if all(hasattr(model, a) for a in needed):
         return
     got = type(model).__name__
@@ -89,7 +111,7 @@ def check_model(model) -> None:
         hint = ("; a params dict alone is not a model: wrap it as "
                 "packed_ss_jax.Model(config=..., params=...)")
     raise InputTypeError(f"expected a packed_ss_jax.Model (from packed_ss_jax.load), "
-                         f"got {got}{hint}")
+                         f"got {got}{hint}", "model")
 
 
 def _number(value):
@@ -106,8 +128,10 @@ def sampler(temperature, top_k, top_p) -> Sampler:
                                                       "vocabulary keeps every token")
     try:
         s = Sampler(temperature, top_k, top_p)
-    except (ValueError, TypeError) as e:
-        raise InputError(str(e)) from None
+    except (ValueError, TypeError) as e:   # its message starts with the argument's name
+        name = next((n for n in ("temperature", "top_k", "top_p") if str(e).startswith(n)),
+                    None)
+        raise InputError(str(e), name) from None
     # Truncation does not change an argmax: every greedy request shares one program.
     if s.greedy:
         return Sampler()
@@ -118,7 +142,7 @@ def sampler(temperature, top_k, top_p) -> Sampler:
 
 def seed(value) -> int:
     if not is_int(value) or not 0 <= value < SEED_LIMIT:
-        raise InputError(f"seed must be an integer in [0, 2**32), got {value!r}")
+        raise InputError(f"seed must be an integer in [0, 2**32), got {value!r}", "seed")
     return int(value)
 
 
@@ -128,89 +152,52 @@ def seeds(values, name: str = "seeds") -> np.ndarray:
     list mixing -1 and 2**63 into floats."""
     if isinstance(values, np.ndarray) and values.ndim != 1:
         raise InputError(f"{name} must be a non-empty 1-D sequence of integers, got an array "
-                         f"of shape {values.shape}")
+                         f"of shape {values.shape}", name)
     if (isinstance(values, (str, bytes, Mapping, set, frozenset))
             or not isinstance(values, Iterable)):
         raise InputError(f"{name} must be a non-empty 1-D sequence of integers, got "
-                         f"{values!r:.80}")
+                         f"{values!r:.80}", name)
     values = list(values)
     if not values:
-        raise InputError(f"{name} must be a non-empty 1-D sequence of integers, got none")
+        raise InputError(f"{name} must be a non-empty 1-D sequence of integers, got none",
+                         name)
     for i, v in enumerate(values):
         if not is_int(v) or not 0 <= v < SEED_LIMIT:
-            raise InputError(f"{name}[{i}] must be an integer in [0, 2**32), got {v!r:.80}")
+            raise InputError(f"{name}[{i}] must be an integer in [0, 2**32), got {v!r:.80}",
+                             name)
     return np.asarray([int(v) for v in values], np.uint32)
-
-
-def eos_id(value, config, vocab: int) -> int | None:
-    """-1 (the config's EOS), None (no EOS stop) or a token id."""
-    if value is None:
-        return None
-    if is_int(value) and value == -1:
-        value = getattr(config, "eos_token_id", None)
-        if value is not None and not 0 <= value < vocab:
-            raise InputError(f"the config's eos_token_id {value} is outside the vocabulary "
-                             f"[0, {vocab}); pass eos_id=None or a valid id")
-        return value
-    if not is_int(value):
-        raise InputTypeError(f"eos_id must be a token id, -1 (the config's EOS) or None, "
-                             f"got {value!r}")
-    if not 0 <= value < vocab:
-        raise InputError(f"eos_id {value} is outside the vocabulary [0, {vocab})")
-    return int(value)
-
-
-def cache_size(value, config, *, block: int, block_name: str, default: int) -> int:
-    """KV slots (None: `default`), at least one block (`block` rows under `block_name`)."""
-    if value is None:
-        value = min(default, getattr(config, "max_position_embeddings", default))
-    value = integer(value, "cache_size", 1)
-    if value > MAX_CACHE:
-        raise InputError(f"cache_size {value} is too large (at most {MAX_CACHE}: positions "
-                         "are int32)")
-    if block > value:
-        raise InputError(f"{block_name} {block} does not fit the cache ({value} slots): use "
-                         f"{block_name} <= {value} or a larger cache_size")
-    return value
-
-
-def fits(prompt_len: int, max_new: int, cache: int) -> None:
-    if prompt_len + max_new > cache:
-        raise InputError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new}) = "
-                         f"{prompt_len + max_new} exceeds the cache ({cache} slots); "
-                         "shorten the request or pass a larger cache_size")
 
 
 def check_ids(ids: np.ndarray, vocab: int, what: str) -> None:
     bad = ids[(ids < 0) | (ids >= vocab)]
     if bad.size:
         raise InputError(f"{what}: ids outside the vocabulary [0, {vocab}): "
-                         f"{sorted(set(bad.tolist()))[:10]}")
+                         f"{sorted(set(bad.tolist()))[:10]}", what)
 
 
-def id_array(ids: list[int], vocab: int, what: str) -> np.ndarray:
+def id_array(ids: list[int], vocab: int, what: str, param: str | None = None) -> np.ndarray:
     """Python int ids as an int32 array, each checked against the vocabulary first (an id
     past int64, e.g. 2**70, would make NumPy raise OverflowError)."""
     bad = sorted({t for t in ids if not 0 <= t < vocab})
     if bad:
-        raise InputError(f"{what}: ids outside the vocabulary [0, {vocab}): {bad[:10]}")
+        raise InputError(f"{what}: ids outside the vocabulary [0, {vocab}): {bad[:10]}", param)
     return np.asarray(ids, np.int32)
 
 
-def token_list(seq, what: str) -> list[int]:
+def token_list(seq, what: str, param: str | None = None) -> list[int]:
     """A sequence of integer token ids (a 1-D NumPy array included) as a list of ints."""
     if isinstance(seq, np.ndarray):
         if seq.ndim != 1:
             raise InputTypeError(f"{what} must be one sequence of token ids, got an array of "
-                                 f"shape {seq.shape}")
+                                 f"shape {seq.shape}", param)
     elif isinstance(seq, (str, bytes, Mapping, set, frozenset)) or not isinstance(seq, Iterable):
         # a string or bytes would be split into characters, a set has no order
         raise InputTypeError(f"{what} must be a sequence of integer token ids, got "
-                             f"{type(seq).__name__}")
+                             f"{type(seq).__name__}", param)
     ids = list(seq)
     bad = [t for t in ids if not is_int(t)]
     if bad:
-        raise InputTypeError(f"{what} must be integer token ids, got {bad[0]!r}")
+        raise InputTypeError(f"{what} must be integer token ids, got {bad[0]!r}", param)
     return [int(t) for t in ids]
 
 
@@ -220,8 +207,8 @@ def prompt_ids(model, prompt, where: str = "") -> np.ndarray:
     if isinstance(prompt, str):
         if getattr(model, "tokenizer", None) is None:
             raise InputError(f"{where}prompt is a string but this model has no tokenizer; pass "
-                             "token ids")
-        ids = encode(model.tokenizer, text(prompt, f"{where}prompt"))
+                             "token ids", "prompt")
+        ids = encode(model.tokenizer, text(prompt, f"{where}prompt", "prompt"))
     else:
         # A generator or other one-shot iterable of prompts is no batch (it could be read
         # once only): say so where its items are not ids.
@@ -231,10 +218,10 @@ def prompt_ids(model, prompt, where: str = "") -> np.ndarray:
             ids = token_list(prompt, "prompt")
         except InputTypeError as e:
             raise InputTypeError(f"{where}prompt must be a string or a sequence of integer "
-                                 f"token ids ({e}){hint}") from None
+                                 f"token ids ({e}){hint}", "prompt") from None
     if not ids:
-        raise InputError(f"{where}prompt is empty: at least one token is needed")
-    return id_array(ids, model.vocab_size, f"{where}prompt")
+        raise InputError(f"{where}prompt is empty: at least one token is needed", "prompt")
+    return id_array(ids, model.vocab_size, f"{where}prompt", "prompt")
 
 
 def prompt_list(prompts) -> list:
@@ -245,23 +232,25 @@ def prompt_list(prompts) -> list:
     name = type(prompts).__name__
     if isinstance(prompts, (str, bytes, bytearray)):
         raise InputTypeError(f"prompts must be a list of prompts, got a {name} (it would be "
-                             f"decoded one character at a time): pass [prompt] for one prompt")
+                             f"decoded one character at a time): pass [prompt] for one prompt",
+                             "prompts")
     if isinstance(prompts, np.ndarray):
         if prompts.ndim != 2:
             raise InputTypeError(f"prompts must be a list of prompts or a 2-D array of token "
-                                 f"ids (one prompt a row), got an array of shape {prompts.shape}")
+                                 f"ids (one prompt a row), got an array of shape {prompts.shape}",
+                                 "prompts")
         items = list(prompts)
     elif isinstance(prompts, (Mapping, set, frozenset)) or not isinstance(prompts, Iterable):
         raise InputTypeError(f"prompts must be a list of prompts (strings or token-id lists), "
                              f"got {name}" + (" (no order)" if isinstance(
-                                 prompts, (Mapping, set, frozenset)) else ""))
+                                 prompts, (Mapping, set, frozenset)) else ""), "prompts")
     else:
         items = list(prompts)
     if not items:
-        raise InputError("prompts must be a non-empty list of prompts, got none")
+        raise InputError("prompts must be a non-empty list of prompts, got none", "prompts")
     if any(is_int(p) for p in items):
         raise InputTypeError("prompts must be a list of prompts, got token ids: pass [ids] "
-                             "for one prompt")
+                             "for one prompt", "prompts")
     return items
 
 
@@ -271,90 +260,9 @@ def seeds_for(value, n: int) -> list[int]:
         return [seed(value)] * n
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise InputError(f"seed must be an integer in [0, 2**32) or a list of one per prompt, "
-                         f"got {value!r:.80}")
+                         f"got {value!r:.80}", "seed")
     values = [int(x) for x in seeds(value, "seed")]
     if len(values) != n:
         raise InputError(f"seed: {len(values)} seeds for {n} prompts; give one seed or one "
-                         "per prompt")
+                         "per prompt", "seed")
     return values
-
-
-def _choice(value, name: str, choices, where: str = "") -> str:
-    if not isinstance(value, str) or value not in choices:
-        raise InputError(f"unknown {name} {value!r}{where}; expected one of {sorted(choices)}")
-    return value
-
-
-def schedule_and_order(family, schedule, order, sampler: Sampler) -> None:
-    """The schedule, order and sampling combination is one the family decodes."""
-    _choice(schedule, "schedule", family.schedules, f" for {family.title} models")
-    if order != family.orders[0]:
-        if len(family.orders) == 1:
-            raise InputError(f"order {order!r}: {family.title} models verify in one order "
-                             f"only, order={family.orders[0]!r}")
-        _choice(order, "order", family.orders)
-        if schedule in family.orderless:
-            raise InputError(f"schedule {schedule!r} has no verification order; use "
-                             f"order={family.orders[0]!r}")
-    if not sampler.greedy:
-        if schedule not in family.sampled:
-            raise InputError(f"schedule {schedule!r} is greedy only: temperature must be 0; "
-                             f"sampling is supported by {sorted(family.sampled)}")
-        if order != family.orders[0]:
-            raise InputError("any-order sampling is not supported: temperature > 0 needs "
-                             f"order={family.orders[0]!r}")
-
-
-def given_width(family, options) -> int | None:
-    """The request's width under the family's own argument name (block_size or window)."""
-    given = {"block_size": options.block_size, "window": options.window}
-    other = [name for name, v in given.items() if v is not None and name != family.width_name]
-    if other:
-        raise InputError(f"{family.title} models take {family.width_name}=, not {other[0]}=")
-    return given[family.width_name]
-
-
-@dataclasses.dataclass(frozen=True)
-class Checked:
-    """A decode's options as checked values (`decode_options`)."""
-
-    sampler: Sampler
-    width: int           # the family's width (B or W) the schedule runs at
-    max_new: int
-    eos: int | None
-    branches: int = 1    # Branched-SS's k
-
-
-DEFAULT_BRANCHES = 2   # the zero-accepted branch and the all-accepted one
-
-
-def branches(value, schedule: str, width: int, width_name: str = "block_size") -> int:
-    """Branched-SS's k: 1 <= k <= the width (Nemotron: one branch per outcome of the B - 1
-    drafts, the zero-accepted one among them; SetDLM: per outcome that leaves a rank of
-    the W to draft); given for another schedule, an error."""
-    if schedule != "branched":
-        if value is not None:
-            raise InputError(f"branches applies to schedule 'branched' only, not {schedule!r}")
-        return 1
-    if value is None:
-        return min(DEFAULT_BRANCHES, width)
-    return integer(value, "branches", 1, width, f"at most one per acceptance outcome: "
-                                                f"{width_name} {width}")
-
-
-def decode_options(family, config, options) -> Checked:
-    """Every option of a `DecodeOptions` that needs no prompt, checked against the family
-    and the config (the stop sequences are read by stops.markers)."""
-    o = options
-    s = sampler(o.temperature, o.top_k, o.top_p)
-    schedule_and_order(family, o.schedule, o.order, s)
-    width = given_width(family, o)
-    if width is None:
-        width = config.block_size
-    width = family.width(o.schedule, integer(
-        width, family.width_name, family.min_width, MAX_CACHE,
-        "a block must fit the cache, whose positions are int32"))
-    max_new = integer(o.max_new_tokens, "max_new_tokens", 1, MAX_CACHE,
-                      "prompt + max_new_tokens must fit the cache, whose positions are int32")
-    return Checked(s, width, max_new, eos_id(o.eos_id, config, config.vocab_size),
-                   branches(o.branches, o.schedule, width, family.width_name))

@@ -64,9 +64,9 @@ def programs_per_module():
     engine's programs sees its own module's only. The next module reads a program it
     shares from the run's persistent cache."""
     yield
-    from packed_ss_jax import engine
+    from packed_ss_jax import programs
 
-    engine.clear_programs()
+    programs.clear_programs()
 
 
 @pytest.fixture
@@ -75,9 +75,9 @@ def user_codegen(monkeypatch):
     (hlo.USER_CODEGEN), so the HLO a structure test reads is the one users run. Programs
     held from before are let go first, so that none compiled otherwise is read."""
     from hlo import USER_CODEGEN
-    from packed_ss_jax import engine
+    from packed_ss_jax import programs
 
-    engine.clear_programs()
+    programs.clear_programs()
     compile = jax.stages.Lowered.compile
 
     def as_users(self, compiler_options=None, **kwargs):
@@ -85,7 +85,7 @@ def user_codegen(monkeypatch):
 
     monkeypatch.setattr(jax.stages.Lowered, "compile", as_users)
     yield
-    engine.clear_programs()
+    programs.clear_programs()
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ slice onto its shards, see checkpoints.assemble.read); prints one JSON line.
     python tests/mesh_child.py CHECKPOINT|embedded
 """
 
+import dataclasses
 import json
 import sys
 
@@ -16,6 +17,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 import packed_ss_jax as ps  # noqa: E402
 from packed_ss_jax import sharding  # noqa: E402
+from packed_ss_jax.programs import Key  # noqa: E402
 
 MESHES = [(8, 1), (4, 2), (2, 4)]
 
@@ -49,7 +51,8 @@ def main(path: str) -> dict:
             # projection of layer 0 is expected.
             engine = ps.Engine.of(m)
             batch = engine.batch(prompts, ps.DecodeOptions(**kw))
-            exe = engine.executables()[("batch", batch.program, len(batch.members))]
+            slot_program = dataclasses.replace(batch.program, bucket=0)
+            exe = engine.executables()[Key("generate", slot_program, len(batch.members))]
             w = m.params["layer_0"]["attn"]["q_proj"]
             i = next(i for i, x in enumerate(jax.tree.leaves(m.params)) if x is w)
             s = jax.tree.leaves(exe.input_shardings[0])[i]

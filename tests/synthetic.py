@@ -46,8 +46,9 @@ class ThresholdModel:
                            block_size=4)
 
     @property
-    def key(self):
+    def program_key(self):
         return ("threshold", self.vocab_size, self.prompt_len, self.max_out)
+
 
     def chain(self, t, p):
         return (t * 5 + p * 3 + 1) % (self.vocab_size - 1)  # never the MASK id

@@ -153,10 +153,10 @@ def _auto_result(c, tokens, iterations):
 def test_only_what_the_request_allows_and_fits_is_a_candidate(model, tmp_path):
     p = _planner(model, tmp_path)
     # A given width keeps that width (and the reference); given branches, Branched-SS.
-    assert p.choose(DecodeOptions(schedule="auto", block_size=4, branches=2), 8).candidate \
+    assert p.choose(DecodeOptions(schedule="auto", width=4, branches=2), 8).candidate \
         == BRANCHED
     with pytest.raises(InputError, match="no speculative candidate has block_size 8"):
-        p.choose(DecodeOptions(schedule="auto", block_size=8), 8)   # not among its own
+        p.choose(DecodeOptions(schedule="auto", width=8), 8)   # not among its own
     # Sampling keeps the sampled schedules; a cache of 3 slots fits no B = 4 block.
     assert p.choose(DecodeOptions(schedule="auto", temperature=0.5), 8).sampled
     assert p.choose(DecodeOptions(schedule="auto", cache_size=3, max_new_tokens=2),
@@ -164,7 +164,7 @@ def test_only_what_the_request_allows_and_fits_is_a_candidate(model, tmp_path):
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(temperature=-1.0), "temperature"), (dict(window=4), "block_size"),
+    (dict(temperature=-1.0), "temperature"), (dict(cache_size=0), "cache_size"),
     (dict(max_new_tokens=0), "max_new_tokens"), (dict(top_p=2.0), "top_p")])
 def test_the_request_s_own_errors_are_its_own(model, tmp_path, options, message):
     with pytest.raises(InputError, match=message):
@@ -201,7 +201,7 @@ def calibrated(model, tmp_path_factory):
     p = planner_lib.Planner(engine, candidates=SMALL, directory=folder).attach()
     p.calibrate(PROMPTS, max_new_tokens=12)
     yield p
-    engine._planner = None
+    p.detach()
 
 
 def test_calibration_is_kept_on_disk_and_read_back(model, calibrated, monkeypatch):
@@ -231,7 +231,7 @@ def test_a_request_calibrates_only_the_candidates_it_may_use(model, tmp_path, mo
     p = planner_lib.Planner(Engine(model), cost=_cost(), candidates=SMALL, directory=tmp_path)
     decoded = []
     monkeypatch.setattr(p, "_decode", lambda c: decoded.append(c) or Tally(2.0, 1.0))
-    p.choose(DecodeOptions(schedule="auto", block_size=4, branches=2), 8)
+    p.choose(DecodeOptions(schedule="auto", width=4, branches=2), 8)
     assert sorted(decoded) == sorted([AR, BRANCHED])
     p.choose(DecodeOptions(schedule="auto"), 8)
     assert sorted(decoded) == sorted(SMALL)   # each once
@@ -263,8 +263,9 @@ def test_sampled_auto_is_the_chosen_schedule_with_the_same_seed(model, calibrate
     got = ps.decode(model, PROMPTS[1], schedule="auto", temperature=1.0, seed=7,
                     max_new_tokens=16)
     assert got.auto["sampled"]
-    fixed = ps.decode(model, PROMPTS[1], temperature=1.0, seed=7, max_new_tokens=16,
-                      **Candidate(got.schedule, got.width, got.branches).options(NEMOTRON))
+    chosen = Candidate(got.schedule, got.width, got.branches)
+    fixed = ps.decode(model, PROMPTS[1], options=DecodeOptions(
+        temperature=1.0, seed=7, max_new_tokens=16, **chosen.options(NEMOTRON)))
     assert got.tokens == fixed.tokens
 
 
@@ -309,8 +310,8 @@ def _kept_calibration(folder, model, rates: dict[Candidate, float]):
     (and calls of 1 ms + 0.1 ms per row) would have left them."""
     from packed_ss_jax import cost
 
-    flat = CostModel(cost.key_of(model), (1, 64), (64, 256), ((1.1e-3, 7.4e-3),) * 2)
-    cost.write_json(folder / f"{flat.key}.json", flat.to_json())
+    flat = CostModel(cost.calibration_id(model), (1, 64), (64, 256), ((1.1e-3, 7.4e-3),) * 2)
+    cost.write_json(folder / f"{flat.calibration_id}.json", flat.to_json())
     p = planner_lib.Planner(Engine(model), directory=folder, cost=flat)
     p._decode = lambda c: Tally(10.0 * rates.get(c, 1.0), 10.0)
     p._ensure(p.candidates)
@@ -346,8 +347,8 @@ def test_setdlm_on_auto_is_exact_and_refuses_another_order(tmp_path):
     sampled = ps.decode(model, prompt, schedule="auto", temperature=1.0, seed=3,
                         max_new_tokens=16)
     c = Candidate(sampled.schedule, sampled.width, sampled.branches)
-    assert sampled.tokens == ps.decode(model, prompt, temperature=1.0, seed=3, max_new_tokens=16,
-                                       **c.options(SETDLM)).tokens
+    assert sampled.tokens == ps.decode(model, prompt, options=DecodeOptions(
+        temperature=1.0, seed=3, max_new_tokens=16, **c.options(SETDLM))).tokens
     with pytest.raises(InputError, match="in order 'ltr' only"):
         ps.decode(model, prompt, schedule="auto", order="confidence")
     with pytest.raises(InputError, match="block_size"):
@@ -355,9 +356,9 @@ def test_setdlm_on_auto_is_exact_and_refuses_another_order(tmp_path):
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(block_size=1), "block_size"), (dict(block_size=-3), "block_size"),
-    (dict(block_size="8"), "block_size"), (dict(branches=0), "branches"),
-    (dict(block_size=4, branches=5), "branches"), (dict(order="confidence"), "'ltr' only")])
+    (dict(width=1), "block_size"), (dict(width=-3), "block_size"),
+    (dict(width="8"), "block_size"), (dict(branches=0), "branches"),
+    (dict(width=4, branches=5), "branches"), (dict(order="confidence"), "'ltr' only")])
 def test_a_width_or_branches_given_with_auto_are_checked_not_dropped(model, tmp_path, options,
                                                                      message):
     with pytest.raises((InputError, TypeError), match=message):
@@ -380,7 +381,7 @@ def test_a_width_or_k_off_the_default_grid_gets_candidates_of_its_own(model, tmp
                                                                        monkeypatch):
     p = planner_lib.Planner(Engine(model), cost=_cost(), directory=tmp_path)
     monkeypatch.setattr(p, "_decode", lambda c: Tally(2.0, 1.0))
-    twelve = p.choose(DecodeOptions(schedule="auto", block_size=12), 8)
+    twelve = p.choose(DecodeOptions(schedule="auto", width=12), 8)
     assert {q.candidate for q in twelve.predictions} == {
         AR, Candidate("linear", 12), Candidate("quadratic", 12), Candidate("packed", 12),
         Candidate("branched", 12, 2)}

@@ -162,7 +162,7 @@ def test_continuous_batching_gives_each_prompts_tokens(family, temperature):
     assert stats.refills == 5 and stats.refill_calls < stats.refills
     programs = ps.Engine.of(m).executables()
     # The refill of three prompts runs padded to four entries.
-    assert any(k[0] == "queue" and k[2:5] == (4, "refill", 4) for k in programs)
+    assert any(k.kind == "prefill" and k.rows == 4 for k in programs)
     assert stats.round_trips > 1 and 0 <= stats.host_fraction < 1
     assert stats.steps >= max(r.iterations for r in results) - 1
     # Every batched call serves at least one sequence, and each sequence makes its own
@@ -172,7 +172,7 @@ def test_continuous_batching_gives_each_prompts_tokens(family, temperature):
         _same(ps.decode(m, p, seed=s, **kw), b)
     c = m.config
     (exe,) = [e for k, e in programs.items()
-              if k[0] == "queue" and k[2:] == (4, "resume")
+              if k.kind == "generate" and k.slots == 4
               and k[1].sampling.greedy == (temperature == 0.0) and k[1].schedule == "packed"]
     slots = {"nemotron": 96 + 4, "setdlm": 64 + 2 * 3 + 2}[family]
     shape = (4, c.num_kv_heads, slots, c.head_dim)

@@ -112,7 +112,7 @@ def test_doubled_model_decodes_identically_with_twice_the_forwards():
 
     m = ps.load()
     d = timing.Doubled(m)
-    assert d.key != m.key and d.config is m.config
+    assert d.program_key != m.program_key and d.config is m.config
     prompt = tasks.load("arithmetic", None, 1)[0].text
     for s in ("ar", "linear", "packed", "quadratic"):
         a = ps.decode(m, prompt, schedule=s, block_size=4, max_new_tokens=12, cache_size=128)
@@ -136,7 +136,7 @@ def test_null_model_runs_the_same_program_without_the_model():
 
     m = ps.load()
     n = timing.Null(m)
-    assert n.key != m.key and n.config is m.config
+    assert n.program_key != m.program_key and n.config is m.config
     prompt = tasks.load("arithmetic", None, 1)[0].text
     B, L = 4, 12
     # The first call emits 1 token; then Linear-SS and Quadratic-SS accept whole blocks

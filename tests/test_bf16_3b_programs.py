@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import packed_ss_jax as ps
-from packed_ss_jax import cache as cache_lib
+from packed_ss_jax import cache as cache_lib, inspection
 from packed_ss_jax import model as model_lib
 from packed_ss_jax.model import Model
 from tools.synthetic_checkpoint import model_config
@@ -37,9 +37,9 @@ def model():
 @pytest.fixture(scope="module", params=["packed", "ar"])
 def program(request, model):
     engine = ps.Engine(model)
-    req = engine.request([1], ps.DecodeOptions(schedule=request.param, block_size=B,
+    req = engine.request([1], ps.DecodeOptions(schedule=request.param, width=B,
                                                cache_size=CAPACITY, max_new_tokens=1))
-    exe = engine.lower(req).compile(USER_CODEGEN)  # the HLO a user's process compiles
+    exe = inspection.lower(engine, req).compile(USER_CODEGEN)  # the HLO a user's process compiles
     return request.param, exe, exe.as_text()
 
 

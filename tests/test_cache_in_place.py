@@ -7,11 +7,15 @@ more than the forward itself on small models; in bf16, a write that converted th
 buffer to float32 and back moved the whole cache twice per layer and step.)
 """
 
+import dataclasses
+
 import pytest
 
 import packed_ss_jax as ps
 from packed_ss_jax import cache as cache_lib
-from packed_ss_jax import model as model_lib
+from packed_ss_jax import model as model_lib, scheduler
+from packed_ss_jax.api import decode_options
+from packed_ss_jax.programs import Key
 from packed_ss_jax.sampling import Sampler
 from hlo import body_results, hlo_dtype, loop_state, rebuilt
 from tiny import tiny_model
@@ -26,7 +30,7 @@ BF16_CAPACITY = model_lib.LIVE_MIN_SLOTS
 
 
 def _options(engine, width, **options) -> ps.DecodeOptions:
-    return ps.DecodeOptions(**{engine.family.width_name: width}, **options)
+    return ps.DecodeOptions(width=width, **options)
 
 
 def _slots(family, p) -> int:
@@ -42,7 +46,7 @@ def compiled(m, prompt, width, **options):
     engine = ps.Engine.of(m)
     request = engine.request(prompt, _options(engine, width, **options))
     engine.decode(request)
-    return engine.executables()[("decode", request.program)].as_text(), _slots(
+    return engine.executables()[Key("decode", request.program)].as_text(), _slots(
         engine.family, request.program)
 
 
@@ -107,7 +111,7 @@ def test_setdlm_bf16_loop_never_copies_the_cache():
 
 @pytest.mark.parametrize("family", ["nemotron", "setdlm"])
 def test_batched_loop_never_copies_the_cache(family):
-    """The batched loop (batched.py) of a sampled Packed-SS batch, the programs of
+    """The batched loop (`generate`, batched.py) of a sampled Packed-SS batch, the programs of
     tests/test_batched.py: one [N, kv_heads, slots, head_dim] buffer per layer, written in
     place by the step's scatter, finished sequences included."""
     from test_batched import MAX_NEW, SEEDS, SETUPS
@@ -115,11 +119,12 @@ def test_batched_loop_never_copies_the_cache(family):
     setup = SETUPS[family]
     m = setup["model"]()
     engine = ps.Engine.of(m)
-    batch = engine.batch(setup["prompts"], ps.DecodeOptions(
-        schedule="packed", max_new_tokens=MAX_NEW, temperature=1.0, **setup["options"]),
-        seed=SEEDS)
-    engine.decode_batch(batch)
+    batch = engine.batch(setup["prompts"], decode_options(
+        engine.family, schedule="packed", max_new_tokens=MAX_NEW, temperature=1.0,
+        **setup["options"]), seed=SEEDS)
+    scheduler.decode_batch(engine, batch)
     n = len(batch.members)
-    exe = engine.executables()[("batch", batch.program, n)]
+    slot_program = dataclasses.replace(batch.program, bucket=0)
+    exe = engine.executables()[Key("generate", slot_program, n)]
     _check(exe.as_text(), m.config, _slots(engine.family, batch.program),
            f"batched {family} packed", batch=(n,))

@@ -1,4 +1,4 @@
-"""The decode loop in chunks (Engine.stream: prefill, insert into a one-slot decode state,
+"""The decode loop in chunks (`Streaming`: prefill, insert into a one-slot decode state,
 then generate k iterations at a time, the state donated between launches) returns
 `decode`'s tokens for every schedule of both families, greedy and sampled; the generate
 and insert programs update the cache in place."""
@@ -9,6 +9,7 @@ import pytest
 
 import packed_ss_jax as ps
 from packed_ss_jax import families
+from packed_ss_jax.scheduler import Streaming
 from hlo import body_results, rebuilt
 from test_setdlm_decode import tiny_setdlm
 from tiny import tiny_model
@@ -38,7 +39,7 @@ def _request(engine, schedule, temperature=0.0, order="ltr", **kw):
     family = engine.family
     options = ps.DecodeOptions(schedule=schedule, order=order, temperature=temperature,
                                max_new_tokens=LENGTH, cache_size=CACHE,
-                               **{family.width_name: WIDTH[family.name]}, **kw)
+                               width=WIDTH[family.name], **kw)
     return engine.request(PROMPT, options, seed=7)
 
 
@@ -48,7 +49,7 @@ def test_chunks_are_the_one_shot_decode(family, schedule, temperature, order):
     request = _request(engine, schedule, temperature, order, eos_id=None)
     want = engine.decode(request)
     for k in (1, 5):
-        streaming = engine.stream(request, k)
+        streaming = Streaming(engine, request, k)
         pieces = list(streaming)
         got = streaming.result()
         assert [t for p in pieces for t in p] == want.tokens, (k, pieces)
@@ -66,22 +67,24 @@ def test_generate_donates_the_state_and_keeps_the_cache_in_place(family):
     m = MODELS[family]()
     engine = ps.Engine(m)  # its programs: this stream's alone
     request = _request(engine, "packed", eos_id=None)
-    list(engine.stream(request, 4))
+    list(Streaming(engine, request, 4))   # a one-slot state made by its prefill
+    engine.insert(engine.slots(request.program, 2), engine.prefill([request]), [1])
     programs = engine.executables()
-    (generate,) = [e for k, e in programs.items() if k[0] == "generate"]
-    (insert,) = [e for k, e in programs.items() if k[0] == "insert"]
+    (generate,) = [e for k, e in programs.items() if k.kind == "generate"]
+    (insert,) = [e for k, e in programs.items() if k.kind == "insert"]
     fam = engine.family
     c = m.config
     p = request.program
     slots = p.capacity + (p.width if fam.width_counts_x else 2 * p.width + 2)
-    shape = (1, c.num_kv_heads, slots, c.head_dim)  # a state of one slot
-    for name, exe in (("generate", generate), ("insert", insert)):
+    shape = (1, c.num_kv_heads, slots, c.head_dim)  # the stream's state of one slot
+    for name, exe, n in (("generate", generate, 1), ("insert", insert, 2)):
+        layer = (n, c.num_kv_heads, slots, c.head_dim)   # a state of n slots
         hlo = exe.as_text()
         # Every cache layer buffer is an input aliased to an output (donated, reused).
         layout = re.search(r"entry_computation_layout=\{\((.*?)\)->", hlo).group(1)
         params = [tuple(int(d) for d in dims.split(",") if d)
                   for dims in re.findall(r"\w+\[([0-9,]*)\]", layout)]
-        cache_params = {i for i, dims in enumerate(params) if dims == shape}
+        cache_params = {i for i, dims in enumerate(params) if dims == layer}
         assert len(cache_params) == 2 * c.num_layers, name  # K and V of every layer
         aliases = re.search(r"input_output_alias=\{(.*?)\s\}", hlo)
         aliased = set() if aliases is None else {

@@ -37,13 +37,13 @@ def test_second_decode_does_not_recompile(schedule, compiles):
     model = tiny_model(0)
     engine = ps.Engine(model)  # a fresh engine: nothing compiled yet
     first = engine.decode(engine.request([1, 2, 3], ps.DecodeOptions(
-        schedule=schedule, block_size=3, max_new_tokens=9)))
+        schedule=schedule, width=3, max_new_tokens=9)))
     assert first.compile_s > 0
     assert len(compiles) >= 1
     compiles.clear()
     # Another prompt in the same bucket (<= 16 tokens), another length, another EOS.
     request = engine.request([4, 5, 6, 7, 8, 9, 1, 2], ps.DecodeOptions(
-        schedule=schedule, block_size=3, max_new_tokens=23, eos_id=4))
+        schedule=schedule, width=3, max_new_tokens=23, eos_id=4))
     r = engine.decode(request)
     assert r.compile_s == 0.0
     assert compiles == []
@@ -77,8 +77,8 @@ def test_new_bucket_compiles_once(compiles):
 # Ten temperatures, each with its own top-p (all below 1, so every one truncates).
 TEMPERATURES = [0.05, 0.2, 0.4, 0.6, 0.8, 1.0, 1.5, 2.0, 4.0, 10.0]
 TOP_PS = [0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95]
-SAMPLED = {"nemotron": (lambda: tiny_model(0), dict(block_size=4), [1, 5, 7, 9, 2]),
-           "setdlm": (lambda: tiny_setdlm(0), dict(window=3), [3, 4, 5, 6])}
+SAMPLED = {"nemotron": (lambda: tiny_model(0), dict(width=4), [1, 5, 7, 9, 2]),
+           "setdlm": (lambda: tiny_setdlm(0), dict(width=3), [3, 4, 5, 6])}
 
 
 @pytest.mark.parametrize("family", sorted(SAMPLED))
@@ -121,7 +121,7 @@ def test_temperature_and_top_p_share_one_sampled_program(family, compiles):
 def test_the_process_holds_at_most_max_programs(monkeypatch):
     """Every engine's programs count toward one bound; past it the least recently used
     program of any engine goes, and is compiled again when asked for."""
-    from packed_ss_jax import engine as engine_lib
+    from packed_ss_jax import programs as engine_lib
 
     monkeypatch.setenv("PACKED_SS_MAX_PROGRAMS", "2")
     monkeypatch.setattr(engine_lib, "_floor", 0)   # a server of this process may have raised it

@@ -45,17 +45,18 @@ def test_a_calibration_with_bad_numbers_is_refused(seconds):
 
 def test_a_small_model_is_calibrated():
     c = cost.calibrate(MODEL, **SMALL)
-    assert (c.rows, c.slots) == ((1, 4), (16, 32)) and c.key == cost.key_of(MODEL)
+    assert (c.rows, c.slots) == ((1, 4), (16, 32))
+    assert c.calibration_id == cost.calibration_id(MODEL)
     assert all(0 < s < 1 for r in c.seconds for s in r) and c.calibration_s > 0
     # Row counts that do not fit the smallest cache are left out.
     assert cost.calibrate(MODEL, rows=(1, 16), slots=(16,), repeat=1).rows == (1,)
     bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), MODEL)
-    assert cost.key_of(bf16) != c.key
+    assert cost.calibration_id(bf16) != c.calibration_id
 
 
 def test_the_calibration_is_kept_and_read_back(tmp_path, monkeypatch):
     first = cost.load_or_calibrate(MODEL, tmp_path, **SMALL)
-    path = tmp_path / f"{first.key}.json"
+    path = tmp_path / f"{first.calibration_id}.json"
     assert path.is_file() and list(tmp_path.iterdir()) == [path]   # no temporary left
 
     def no_measuring(*a, **k):
@@ -70,13 +71,13 @@ def test_the_calibration_is_kept_and_read_back(tmp_path, monkeypatch):
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 1}), "[]",
                                      "other-key"])
 def test_a_broken_or_foreign_file_is_measured_anew(tmp_path, caplog, content):
-    path = tmp_path / f"{cost.key_of(MODEL)}.json"
+    path = tmp_path / f"{cost.calibration_id(MODEL)}.json"
     if content == "other-key":
         content = json.dumps(_synthetic("another").to_json())
     path.write_text(content)
     with caplog.at_level(logging.WARNING, logger="packed_ss_jax.cost"):
         c = cost.load_or_calibrate(MODEL, tmp_path, **SMALL)
-    assert c.key == cost.key_of(MODEL) and str(path) in caplog.text
+    assert c.calibration_id == cost.calibration_id(MODEL) and str(path) in caplog.text
     assert cost.CostModel.from_json(json.loads(path.read_text())) == c
 
 
@@ -85,7 +86,7 @@ def test_a_directory_that_cannot_be_written_keeps_the_measurement(tmp_path, capl
     blocked.write_text("")
     with caplog.at_level(logging.WARNING, logger="packed_ss_jax.cost"):
         c = cost.load_or_calibrate(MODEL, blocked / "cost", **SMALL)
-    assert c.key == cost.key_of(MODEL) and "could not keep" in caplog.text
+    assert c.calibration_id == cost.calibration_id(MODEL) and "could not keep" in caplog.text
 
 
 def test_without_a_directory_nothing_is_written(tmp_path, monkeypatch):
@@ -101,7 +102,8 @@ def test_without_a_directory_nothing_is_written(tmp_path, monkeypatch):
                                   "[" * 100000 + "]" * 100000])
 def test_a_hostile_cost_file_is_measured_anew(tmp_path, text):
     first = cost.load_or_calibrate(MODEL, tmp_path, **SMALL)
-    path = tmp_path / f"{first.key}.json"
+    path = tmp_path / f"{first.calibration_id}.json"
     path.write_text(text)
     again = cost.load_or_calibrate(MODEL, tmp_path, **SMALL)
-    assert again.key == first.key and json.loads(path.read_text())["key"] == first.key
+    assert again.calibration_id == first.calibration_id
+    assert json.loads(path.read_text())["key"] == first.calibration_id   # the file's name for it

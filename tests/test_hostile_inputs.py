@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import packed_ss_jax as ps
-from packed_ss_jax import continuous, memory, validate, sampling
+from packed_ss_jax import continuous, memory, sampling, scheduler, validate
 from packed_ss_jax.validate import INT32_MAX, MAX_CACHE, SEED_LIMIT, InputError
 from packed_ss_jax.sampling import Sampler
 from tiny import tiny_config
@@ -57,7 +57,7 @@ def dry():
     nothing until the first is asked for) instead of compiling it."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ps.Engine, "decode", lambda engine, request: request)
-        mp.setattr(ps.Engine, "decode_batch", lambda engine, batch: batch)
+        mp.setattr(scheduler, "decode_batch", lambda engine, batch: batch)
         mp.setattr(continuous, "decode_queue",
                    lambda engine, batch, slots, every: (batch, slots, every))
         mp.setattr(ps.Engine, "compile", _no_compile)

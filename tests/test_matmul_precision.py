@@ -4,13 +4,14 @@ import jax
 import pytest
 
 import packed_ss_jax as ps
+from packed_ss_jax import inspection
 from packed_ss_jax.config import ConfigError
 
 
 def _dot_precisions(model):
     engine = ps.Engine.of(model)
     request = engine.request([5, 6, 7], ps.DecodeOptions(schedule="ar", max_new_tokens=4))
-    text = engine.lower(request).as_text()
+    text = inspection.lower(engine, request).as_text()
     return {line.split("precision = [")[1].split("]")[0] if "precision = [" in line else None
             for line in text.splitlines() if "stablehlo.dot_general" in line}
 

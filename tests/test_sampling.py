@@ -237,7 +237,7 @@ def test_seed_reproduces_and_batch_matches_single(laws):
         assert tuple(one.tokens) == batch[i] == tuple(again.tokens)
     engine = ps.Engine(MODEL)  # a new engine compiles anew: recompiling changes nothing
     three = engine.decode(engine.request(PROMPT, ps.DecodeOptions(
-        schedule="packed", block_size=B, max_new_tokens=L, eos_id=None, temperature=1.0,
+        schedule="packed", width=B, max_new_tokens=L, eos_id=None, temperature=1.0,
         cache_size=CAPACITY), seed=int(seeds[0])))
     assert three.compile_s > 0 and tuple(three.tokens) == batch[0]
     # Different seeds, different samples: at least as many distinct outputs as 200
@@ -263,7 +263,7 @@ def test_the_sampled_program_at_temperature_zero_is_greedy(nemotron, nemotron_re
     temperature 0 is data, not the greedy program) gives the reference greedy tokens."""
     engine = ps.Engine.of(nemotron)
     request = engine.request(nemotron_ref["greedy_prompt"].tolist(), ps.DecodeOptions(
-        schedule=schedule, block_size=5, max_new_tokens=20, eos_id=None), seed=9)
+        schedule=schedule, width=5, max_new_tokens=20, eos_id=None), seed=9)
     shared = on_sampled_program(request)
     assert request.program.sampling.greedy and not shared.program.sampling.greedy
     assert engine.decode(shared).tokens == nemotron_ref["greedy_continuation"][:20].tolist()
@@ -275,7 +275,7 @@ def test_the_sampled_program_at_temperature_zero_breaks_ties_as_greedy(schedule)
     the sampled program's greedy slots take the lowest id, as the greedy program does."""
     flat = jax.tree.map(jnp.zeros_like, MODEL)
     engine = ps.Engine(flat)
-    request = engine.request(PROMPT, ps.DecodeOptions(schedule=schedule, block_size=B,
+    request = engine.request(PROMPT, ps.DecodeOptions(schedule=schedule, width=B,
                                                       max_new_tokens=6, eos_id=None), seed=3)
     assert engine.decode(on_sampled_program(request)).tokens == engine.decode(request).tokens
 

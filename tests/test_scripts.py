@@ -45,6 +45,7 @@ SMOKE = {
     "benchmarks.lm_eval_serving": ["test_scripts.py::test_lm_eval_serving"],
     "benchmarks.serving": ["test_scripts.py::test_serving"],
     "benchmarks.stream_overhead": ["test_scripts.py::test_stream_overhead"],
+    "tools.call_path": ["test_scripts.py::test_call_path_of_a_decode"],
     "tools.fixtures": ["test_fixtures_manifest.py::test_generator_reproduces_the_committed_files"],
     "tools.fuzz_torch_bin": [
         "test_scripts.py::test_fuzz_torch_bin",
@@ -266,6 +267,20 @@ def test_fuzz_torch_bin(setdlm_dir, capsys):
                                 "--fixture", str(setdlm_dir / "pytorch_model.bin")]) == 0
     out = capsys.readouterr().out
     assert "summary: seed 1: 20 cases" in out and "0 failures" in out
+
+
+def test_call_path_of_a_decode(capsys):
+    """A decode's host path goes down the import layers only, through the request check,
+    the engine and the result; a call up the layers (a callback) would be listed."""
+    import packed_ss_jax as ps
+    from tools import call_path
+
+    out = call_path.report("decode", call_path.decode_path(ps.load("nld-tiny")))
+    assert out["up"] == [] and out["crossings"] <= 22, capsys.readouterr().out
+    modules = set(out["modules"])
+    assert {"packed_ss_jax.api", "packed_ss_jax.options", "packed_ss_jax.engine",
+            "packed_ss_jax.results"} <= modules
+    assert "packed_ss_jax.scheduler" not in modules   # one request: `Loop.run`, no slots
 
 
 def test_golden_lists_its_cases(capsys):

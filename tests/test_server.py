@@ -200,9 +200,9 @@ def test_a_request_is_checked_rendered_and_tokenized_once(monkeypatch):
         checked.append(prepare.real(*args, **kwargs))
         return checked[-1]
 
-    def prefill(self, request):
-        streamed.append(request)
-        return prefill.real(self, request)
+    def prefill(self, requests, *args, **kwargs):
+        streamed.extend(requests)
+        return prefill.real(self, requests, *args, **kwargs)
 
     def render(self, *args, **kwargs):
         renders.append(args[0])

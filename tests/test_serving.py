@@ -1,4 +1,4 @@
-"""The server's continuous batching (server/batcher.py), through the official `openai`
+"""The server's continuous batching (client.py: the engine client and its scheduler), through the official `openai`
 client against an app served in this process: requests joining and leaving while others
 run each get the tokens `decode` gives them alone (greedy, sampled and top-p, streamed
 and not, advancing in the same calls; SetDLM too); nothing compiles after startup, whatever the requests ask for; `n` choices are
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import packed_ss_jax as ps
-from packed_ss_jax.http_guard import Limits
+from packed_ss_jax.server.http_guard import Limits
 from packed_ss_jax.server import create_app
 from servers import events, in_process, request as plain_request
 
@@ -112,7 +112,7 @@ def test_requests_joining_mid_flight_get_their_own_decode(client, app):
     launch = decoder._launch
 
     def watched():   # the kinds of sampling of the slots each launch advances together
-        launches.append({_kind(s.request) for s in decoder.pool.seats if s is not None})
+        launches.append({_kind(s.request) for s in decoder.scheduler.seats if s is not None})
         launch()
 
     decoder._launch, COMPILES.on = watched, True

@@ -160,7 +160,7 @@ def test_the_sampled_program_at_temperature_zero_is_greedy(schedule):
     data) gives the serial reference's tokens."""
     engine = ps.Engine.of(MODEL)
     request = engine.request(PROMPT, ps.DecodeOptions(
-        schedule=schedule, window=W, max_new_tokens=6, eos_id=None, cache_size=16), seed=9)
+        schedule=schedule, width=W, max_new_tokens=6, eos_id=None, cache_size=16), seed=9)
     shared = on_sampled_program(request)
     assert not shared.program.sampling.greedy
     assert engine.decode(shared).tokens == serial_ltr(MODEL, PROMPT, 6, [])

@@ -7,6 +7,7 @@ import pytest
 import packed_ss_jax as ps
 from packed_ss_jax import families, stops
 from packed_ss_jax.detokenize import Detokenizer
+from packed_ss_jax.scheduler import Streaming
 from test_chunked import CACHE, LENGTH, MODELS, PROMPT, WIDTH
 
 EMBEDDED = ps.load()
@@ -69,7 +70,7 @@ def _schedules():
 def test_stop_sequences_end_the_output_at_the_earliest(family, schedule):
     engine = ps.Engine.of(MODELS[family]())
     kw = dict(schedule=schedule, max_new_tokens=LENGTH, cache_size=CACHE,
-              **{engine.family.width_name: WIDTH[family]})
+              width=WIDTH[family])
     free = engine.decode(engine.request(PROMPT, ps.DecodeOptions(eos_id=None, **kw))).tokens
     # Markers taken from the free output: a two-token one late, a three-token one early
     # (it must win), and one that never occurs.
@@ -83,7 +84,7 @@ def test_stop_sequences_end_the_output_at_the_earliest(family, schedule):
                                                       **kw))
     got = engine.decode(request)
     assert got.tokens == want and got.finish_reason == "stop"
-    streaming = engine.stream(request, 2)
+    streaming = Streaming(engine, request, 2)
     assert [t for c in streaming for t in c] == want
     assert streaming.stopped and streaming.result().finish_reason == "stop"
 

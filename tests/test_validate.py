@@ -151,17 +151,17 @@ def test_numpy_arguments_prepare_the_same_request(family):
     NumPy vs Python scalars, and are made of Python values, so it is one program."""
     model = {"nemotron": NEMOTRON, "setdlm": SETDLM}[family]
     width = {"nemotron": 4, "setdlm": 3}[family]
-    width_name = {"nemotron": "block_size", "setdlm": "window"}[family]
     py = dict(schedule="packed", max_new_tokens=5, eos_id=1, cache_size=32,
-              temperature=0.5, top_k=3, top_p=0.75, **{width_name: width})
+              temperature=0.5, top_k=3, top_p=0.75, width=width)
     npy = dict(py, max_new_tokens=np.int32(5), eos_id=np.int64(1),
                cache_size=np.int32(32), temperature=np.float32(0.5),
-               top_k=np.int64(3), top_p=np.float32(0.75), **{width_name: np.int64(width)})
+               top_k=np.int64(3), top_p=np.float32(0.75), width=np.int64(width))
     if family == "setdlm":
         py["stop_sequences"] = [[2, 3], 4]
         npy["stop_sequences"] = [np.array([2, 3], np.int32), np.int64(4)]
     engine = ps.Engine.of(model)
-    a = engine.request(PROMPT, ps.DecodeOptions(**py), seed=3)
+    # The seed in the options, or given to the request in their place.
+    a = engine.request(PROMPT, ps.DecodeOptions(**py, seed=3))
     b = engine.request(np.asarray(PROMPT, np.int64), ps.DecodeOptions(**npy), seed=np.uint32(3))
     assert a.program == b.program and hash(a.program) == hash(b.program)
     p = b.program

@@ -239,7 +239,7 @@ CASES = cases()
 
 def release() -> None:
     """Lets go of the models no longer held, and with the last engine of one its compiled
-    programs (the engines hold at most `engine.max_programs()` in all)."""
+    programs (the engines hold at most `programs.max_programs()` in all)."""
     import gc
 
     gc.collect()

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..nemotron import layouts
-from ..validate import DEFAULT_BRANCHES
+from ..options import DEFAULT_BRANCHES
 
 # Nemotron-Labs-Diffusion ("branched" at its default number of branches, as the bench runs it)
 ADAPTER_SCHEDULES = ("ar", "linear", "quadratic", "packed", "branched")

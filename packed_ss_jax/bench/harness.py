@@ -1,24 +1,10 @@
 """`packed-ss bench`: the paper's measurements for chosen schedules on one task.
 
-Either family: Nemotron-Labs-Diffusion schedules take block sizes (`--block-size`), SetDLM
-schedules windows (`--window`, and `--order`), as the family table says; the default
-schedules are all of the model's family. Batch size 1, one prompt at a time (optionally
-several times, keeping the fastest).
-Per schedule: tokens (total, mean), decoder wall time, NFE, tokens/NFE, time/NFE,
-throughput (total tokens / total wall), the split of wall time into model execution and
-non-model decoder work, the accepted-length histogram and task accuracy. Packed-SS is
-compared with each baseline by paired bootstrap intervals over prompts (same resampled
-indices for every method). Compilation is excluded: every program is compiled before
-it is timed (AOT), and each schedule is warmed up on the first prompt. Widths are
-given, or chosen per schedule by the paper's throughput probe on the first prompts
-(App. F.1).
-
-One invocation can sweep widths, SetDLM verification orders, the draft-only adapter (on,
-off) and tasks; every combination is a run. Prompts can be answered several times with
-distinct seeds (App. E.4, pass@1). Beyond each run's table: paired accuracy differences
-(Table 11), the adapter's row accounting (App. F.2), the time split normalised per task
-(Figure 5), and a record of versions, device, model checksum, flags and seeds; a saved
-run is redrawn with --replot.
+Batch size 1, one prompt at a time, as the paper measures: every program is compiled
+before it is timed and each schedule is warmed up on the first prompt; Packed-SS is
+compared with each baseline by paired bootstrap intervals over prompts. One invocation
+can sweep widths, orders, the draft-only adapter and tasks, each combination a run.
+What is measured, the flags and the saved JSON: docs/benchmarks.md.
 
 This module is the command: `plan` parses and checks the command line, `measure`
 decodes and times, `report` summarises, prints and plots.

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 class _Replaced:
     """`model` with its forward replaced (subclasses define `forward`); everything else,
-    the config included, is the model's. Its own compile-cache key keeps its programs
+    the config included, is the model's. Its own `program_key` keeps its programs
     apart from the model's."""
 
     tag = ""
@@ -41,8 +41,9 @@ class _Replaced:
         return getattr(self._model, name)
 
     @property
-    def key(self):
-        return (self.tag, self._model.key)
+    def program_key(self):
+        return (self.tag, self._model.program_key)
+
 
 
 class Doubled(_Replaced):

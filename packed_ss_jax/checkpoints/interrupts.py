@@ -1,22 +1,13 @@
 """SIGINT and SIGTERM as exceptions, with sections that a signal cannot split.
 
-A conversion writes a hidden directory and renames it into place. Ctrl-C (SIGINT)
-already raises KeyboardInterrupt, but SIGTERM (`kill`, a job scheduler, a container
-stop) would end the process on the spot and leave the hidden directory behind. While a
-`SignalGuard` is installed both signals raise `Interrupted`, so the usual `except`
-cleanup runs.
-
-Cleanup itself must not be cut short by a second signal. Python runs signal handlers in
-the main thread between bytecodes, whichever thread the kernel delivered the signal to,
-so blocking signals with `pthread_sigmask` in the main thread alone does not stop them
-while other threads (XLA, tensorstore) exist. The guard therefore raises only while
-`armed`: code disarms it with a plain attribute store, `guard.armed = False`, which
-CPython never interrupts with a handler (handlers run at calls and backward jumps), as
-the first statement of every cleanup path, and raises at most once by itself.
-Signals that arrive while disarmed are remembered in `pending`; `check` raises again
-for one whose exception library code swallowed. `blocked()` additionally
-holds the signals at the kernel for the renames, so those system calls are not
-interrupted either.
+While a `SignalGuard` is installed both signals raise `Interrupted`, so a conversion's
+`except` cleanup runs (SIGTERM would otherwise end the process on the spot and leave its
+hidden directory behind). The one rule: the guard raises only while `armed`, and every
+cleanup path starts with `guard.armed = False`, a plain attribute store that CPython never
+interrupts with a handler. Signals that arrive while disarmed are kept in `pending`
+(`check` raises again for one that library code swallowed), and `blocked()` holds them
+at the kernel around the renames. Why a signal mask alone is not enough, and what a user
+sees: docs/checkpoints.md#signals.
 """
 
 from __future__ import annotations

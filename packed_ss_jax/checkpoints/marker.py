@@ -1,32 +1,11 @@
 """The marker file of a converted directory: config, array checksums, file list.
 
-`packed_ss_config.json` (format version 3):
-
-    {"format": "packed_ss_jax", "version": 3,
-     "config": {...ModelConfig fields...},
-     "arrays": {"layers/attn/q_proj": {"shape": [L, d, d], "dtype": "bfloat16",
-                                       "sha256": "<64 hex digits>"}, ...},
-     "files":  ["config.json", "params/", "params/_METADATA", ...],
-     "checksums": {"config": "<64 hex digits>", "config.json": "<64 hex digits>"},
-     "sizes": {"params/_METADATA": 5714, ...}}
-
-`arrays` names every param array of the stored layout (`layers/...` stacked over the
-layers, see `model.py`) with its shape, dtype and the SHA-256 of its bytes as written, so
-a damaged or edited params file is caught at load. `checksums` covers what the arrays do
-not and what changes the tokens as much: "config" is the SHA-256 of the `config` object
-above (`config_checksum`: canonical JSON, so only a changed value counts), "config.json"
-that of the copied file's bytes. `sizes` gives every file under params/ in bytes, so a
-truncated one is named before orbax tries to read it. `files` lists every file and
-directory (trailing "/") the conversion wrote besides the marker itself: `--overwrite`
-replaces a directory only when it holds nothing else.
-
-params/ holds the decoding layout, one array per layer weight (`layer_{i}/attn/q_proj`),
-so that neither writing nor reading ever stacks a weight over the layers; a stacked
-array's checksum is that of its layers' bytes one after another, so it is computed from
-the per-layer arrays alone. `checksums` and `sizes` came later within version 3: a marker
-without them loads with a warning that its config is not verified. Only version 3 is
-read: an output of an earlier (pre-release) format is refused with `FormatVersionError`,
-which names the version and asks for the conversion to be run again.
+`packed_ss_config.json` (format version 3) records the model config, the shape, dtype and
+SHA-256 of every param array of the stored layout, checksums of the config, the size of
+every file under params/ and the files the conversion wrote; its fields and what each
+protects: docs/checkpoints.md#the-marker-file. params/ holds the decoding layout, so a
+stacked array's checksum is that of its layers' bytes one after another, computed from
+the per-layer arrays alone. Only version 3 is read (an earlier one: `FormatVersionError`).
 
 Everything read from a marker is validated here, so a damaged one gives an error naming
 the file and the field instead of a traceback further down.

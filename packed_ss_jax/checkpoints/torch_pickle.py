@@ -1,28 +1,13 @@
 """The `data.pkl` of a `torch.save` zip, read as data: a state dict of tensor records.
 
-`pickle.Unpickler` with an allow-list in `find_class` is not enough: even when every
-callable is harmless, opcodes such as BUILD, SETITEM(S), APPEND(S), INST, OBJ and
-NEWOBJ change objects after they were built (BUILD rewrites any `__dict__`, including
-a frozen dataclass's), so a record that passed its checks can come out with another
-shape, stride or offset. Subclassing the pure-Python `pickle._Unpickler` with a
-reduced dispatch table would still run its handlers on whatever objects the stream
-puts on the stack, and leans on a private class. So this is a small interpreter of
-its own: it knows the few opcodes `torch.save` emits for a state dict (protocol 2,
-and the equivalent protocol 4/5 forms), every value it builds is one of a handful of
-types it checks, and anything else is refused before it has any effect.
-
-What is accepted, exactly the layout torch writes:
-- the top level: an empty dict or `collections.OrderedDict()`, filled by SETITEM(S)
-  with str -> tensor record; an OrderedDict state dict may end with one BUILD of
-  `{'_metadata': {module: {key: scalar}}}` (what `module.state_dict()` carries),
-  which is checked and dropped;
-- a tensor record: `torch._utils._rebuild_tensor_v2(storage, offset, size, stride,
-  requires_grad, backward_hooks[, metadata])`, hooks an empty OrderedDict, metadata
-  (when present) empty;
-- a storage: persistent id `("storage", torch.<X>Storage, key, location, numel)`.
-Records are immutable tuples of Python ints, built once and never changed; no list
-and no other mutable object exists that a later opcode could reach. Bounds against
-the real storage bytes are checked by the reader when a tensor is read.
+Not `pickle.Unpickler` with an allow-list: opcodes such as BUILD and SETITEM change
+objects after they were built, so a record that passed its checks could come out with
+another shape, stride or offset. This is a small interpreter of its own: it knows the few
+opcodes `torch.save` emits for a state dict (protocol 2, and the protocol 4/5 forms),
+every value it builds is one of a handful of checked types (records are immutable tuples
+of ints), and anything else is refused before it has any effect. Exactly what it
+accepts: docs/checkpoints.md#torch-bin-without-torch. Bounds against the storage bytes
+are checked by the reader (torch_bin.py) when a tensor is read.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The Nemotron-Labs-Diffusion schedules: one pure `step(state) -> state` each, how
 each starts, and the decode program that runs them.
 
-`build(m, program)` returns the `Loop` (loop.py) the driver (engine.py) compiles:
-`run(params, prompt, n, limits, key) -> outcome`, the first call followed by
-`lax.while_loop` over the schedule's step, or the same in chunks (`start`, `resume`).
+`build(m, program)` returns the `Loop` (loop.py) the engine compiles: `run(params,
+prompt, prompt_len, limits, key) -> outcome`, the first call followed by
+`lax.while_loop` over the schedule's step, or its pieces over slots (batched.py).
 The prompt length and the limits (length limit, stop markers with EOS) are traced, so
 they never recompile.
 """

@@ -14,17 +14,13 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import chat, validate
-from ..acceptance import Candidate
-from ..engine import Engine
-from ..http_guard import Guard, Limits, error_body
-from ..options import DecodeOptions
-from ..planner import AUTO, Planner
-from ..validate import InputError
+from .. import chat, client as client_lib
+from ..client import Draining, EngineClient, Job
 from . import errors, formats
 from .errors import APIError, Scrubber
 from .formats import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
-from .batcher import Batcher, Job
+from .http_guard import Guard, Limits, error_body
+from .metrics import Metrics
 from .worker import Preparer
 
 log = logging.getLogger(__name__)
@@ -35,24 +31,21 @@ def create_app(model, name: str, *, schedule: str = "packed", width: dict | None
                slots: int = 8, steps: int = 4, max_queue: int = 256) -> Guard:
     """The ASGI app serving `model` under the model id `name`: the FastAPI app (its
     `.app`) inside the connection and body limits of `limits`. Requests are decoded
-    `slots` at a time (batcher.py), `steps` loop iterations per launch, each fitting
+    `slots` at a time (client.py), `steps` loop iterations per launch, each fitting
     `max_model_len` tokens (default: the model's context, at most DEFAULT_MAX_MODEL_LEN);
     past `max_queue` requests waiting for a slot, a new one gets 503. `width`: the
-    schedule's shape ({"block_size": B} or {"window": W}, and "branches" for Branched-SS).
+    schedule's shape ({"width": W}, the family's B or W, and "branches" for Branched-SS).
     Every program is compiled here, before the app is returned."""
     limits = limits or Limits()
     if max_model_len is None:
         max_model_len = min(model.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     auto = None
-    if schedule == AUTO:
-        schedule, width, auto = _auto(model, width, max_model_len, slots)
+    if schedule == "auto":
+        schedule, width, auto = client_lib.choose_auto(model, width, max_model_len, slots)
     defaults = dict(schedule=schedule, **(width or {}), cache_size=max_model_len)
     service = Service(model, name, defaults, limits, slots, steps, max_queue)
-    p = service.decoder.program
-    family = Engine.of(model).family
-    service.decoder.metrics.schedule_in_use(
-        Candidate(p.schedule, p.width, p.branches).label(family),
-        None if auto is None else auto["predicted_tokens_per_s"])
+    service.gauges.schedule_in_use(
+        service.decoder.label, None if auto is None else auto["predicted_tokens_per_s"])
     docs = dict(docs_url="/docs", redoc_url=None, openapi_url="/openapi.json") if limits.docs \
         else dict(docs_url=None, redoc_url=None, openapi_url=None)
     app = FastAPI(title="packed-ss", lifespan=service.lifespan,
@@ -62,6 +55,7 @@ def create_app(model, name: str, *, schedule: str = "packed", width: dict | None
                            allow_methods=["GET", "POST"],
                            allow_headers=["authorization", "content-type"])
     app.state.decoder, app.state.preparer = service.decoder, service.preparer
+    app.state.deadline = service.deadline
     app.state.auto = auto
     app.add_api_route("/health", service.health, methods=["GET"])
     app.add_api_route("/metrics", service.metrics, methods=["GET"])
@@ -72,19 +66,7 @@ def create_app(model, name: str, *, schedule: str = "packed", width: dict | None
     app.add_api_route("/detokenize", service.detokenize, methods=["POST"])
     app.add_api_route("/tokenizer_info", service.tokenizer_info, methods=["GET"])
     app.add_api_route("/v1/chat/completions", service.chat_completions, methods=["POST"])
-    return Guard(app, limits, service.decoder.expired)
-
-
-def _auto(model, width: dict | None, max_model_len: int, slots: int):
-    """Schedule "auto" for a server: the candidate predicted fastest with every slot
-    busy on caches of `max_model_len` (a width or branches given keep that width or k);
-    its schedule, its shape, and the choice's record."""
-    engine = Engine.of(model)
-    options = DecodeOptions(schedule=AUTO, cache_size=max_model_len, max_new_tokens=1,
-                            **(width or {}))
-    choice = Planner.of(engine).choose(options, prompt_len=1, sequences=slots)
-    shape = choice.candidate.options(engine.family)
-    return shape.pop("schedule"), shape, choice.summary(engine.family)
+    return Guard(app, limits, service.expired)
 
 
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -94,14 +76,17 @@ RETRY_AFTER_S = 1   # what a 503 for a full queue tells the client to wait
 class Service:
     """The routes and error handlers of one served model: a request is checked on the
     event loop (its body, its model), prepared off it (`Preparer`: a checked request),
-    decoded by the `Decoder` thread, and answered whole or as server-sent events."""
+    decoded by the engine client's thread, and answered whole or as server-sent events."""
 
     def __init__(self, model, name: str, defaults: dict, limits: Limits, slots: int,
                  steps: int, max_queue: int):
         self.name, self.created, self.max_queue = name, int(time.time()), max_queue
-        self.decoder = Batcher(model, defaults, slots, steps)
+        self.decoder = EngineClient(model, defaults, slots, steps)
         self.decoder.warm()
-        self.preparer = Preparer(model, defaults, limits, self.decoder.expired)
+        self.gauges = self.decoder.observer = Metrics(
+            lambda: self.decoder.queued, lambda: self.decoder.busy_slots, slots)
+        self.expired = asyncio.Event()   # set at the drain's deadline (on the event loop)
+        self.preparer = Preparer(self.decoder, limits, self.expired)
         self.scrub = Scrubber(model, name)
         tokenizer = getattr(model, "tokenizer", None)
         self.decode = tokenizer.decode if tokenizer is not None else (
@@ -112,9 +97,14 @@ class Service:
     async def lifespan(self, app):
         self.decoder.start()
         yield
-        self.decoder.abort_all()
+        self.deadline()
         self.preparer.shutdown()
         self.decoder.stop(timeout=2.0)
+
+    def deadline(self) -> None:
+        """The drain's deadline: every request still running or waiting ends with a 503."""
+        self.expired.set()
+        self.decoder.abort_all(errors.draining())
 
     # --- errors ---------------------------------------------------------------------------------
 
@@ -152,7 +142,7 @@ class Service:
                 "slots": d.slots, "cancelled": d.cancelled}
 
     async def metrics(self):
-        m = self.decoder.metrics
+        m = self.gauges
         return Response(m.render(), media_type=m.content_type)
 
     async def tokenizer_info(self):
@@ -169,8 +159,8 @@ class Service:
     async def detokenize(self, body: DetokenizeBody):
         self._check_model(body)
         try:
-            ids = validate.prompt_ids(self.decoder.engine.model, body.tokens)
-        except InputError as e:
+            ids = self.decoder.prompt_ids(body.tokens)
+        except client_lib.InputError as e:
             raise APIError(400, str(e), param="tokens") from None
         return {"prompt": self.decode([int(i) for i in ids])}
 
@@ -222,7 +212,10 @@ class Service:
         score = options.pop("score")
         choices = await self.preparer(options, max_tokens_field)
         job = Job(choices, asyncio.get_running_loop(), score, streaming)
-        self.decoder.submit(job)
+        try:
+            self.decoder.submit(job)
+        except Draining:
+            raise errors.draining() from None
         if streaming:  # a client leaving ends the response's iteration (`_events`)
             return StreamingResponse(self._events(job, form), media_type="text/event-stream")
         watch = asyncio.create_task(_watch_disconnect(http, job))

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from fastapi.exceptions import RequestValidationError
 
-from ..http_guard import shutting_down
-from ..validate import InputError
+from .http_guard import shutting_down
+from ..api import InputError
 
 
 class APIError(Exception):

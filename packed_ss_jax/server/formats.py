@@ -16,9 +16,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat,
                       StrictInt, StrictStr)
 
-from .. import validate
-from ..scoring import MAX_TOP
-from ..validate import InputError
+from .. import api
+from ..api import MAX_TOP, DecodeOptions, InputError
 from .errors import APIError
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions (chat's: what fits)
@@ -30,7 +29,7 @@ INT32_MAX = 2**31 - 1
 # --- request bodies -----------------------------------------------------------------------------
 
 def _unicode(value: str) -> str:
-    validate.text(value, "the text")  # a lone surrogate: a "\ud800" escape in the JSON
+    api.text(value, "the text")  # a lone surrogate: a "\ud800" escape in the JSON
     return value
 
 
@@ -165,7 +164,8 @@ class Score:
 
 
 def completion_options(body: CompletionBody) -> tuple[dict, str]:
-    """(the decode's options with the prompt and what to score, the field that sets
+    """(what the request asks: its `DecodeOptions` ("options"), its choices ("n"), its
+    prompt ("prompt", or "prompts") and what to score ("score"); the field that sets
     max_new_tokens)."""
     refuse_unused(body)
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
@@ -178,36 +178,37 @@ def completion_options(body: CompletionBody) -> tuple[dict, str]:
         if body.echo and body.stream:
             raise APIError(400, "echo is not supported with stream: true on this server "
                                 "(ask without streaming)", param="echo")
-    options = _options(body, max(max_tokens, 1))
+    asked = _options(body, max(max_tokens, 1))
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) * body.n > MAX_CHOICES:
             raise APIError(400, f"{len(prompt)} prompts x n = {body.n} is more than the "
                                 f"{MAX_CHOICES} choices one request may have", param="prompt")
-        return {**options, "prompts": prompt, "score": score}, "max_tokens"
-    return {**options, "prompt": prompt, "score": score}, "max_tokens"
+        return {**asked, "prompts": prompt, "score": score}, "max_tokens"
+    return {**asked, "prompt": prompt, "score": score}, "max_tokens"
 
 
 def chat_options(body: ChatBody) -> tuple[dict, str]:
-    """(the decode's options with the messages and template keywords, the field that sets
-    max_new_tokens; without one, max_new_tokens is None: what fits, set once the prompt is
-    tokenized)."""
+    """(what the request asks: its `DecodeOptions` ("options"), its choices ("n"), its
+    messages and template keywords ("messages", "chat_template_kwargs") and what to score
+    ("score"); the field that sets max_new_tokens. Without one, the options'
+    max_new_tokens is None: what fits, set once the prompt is tokenized.)"""
     refuse_unused(body)
     field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    options = _options(body, body.max_completion_tokens or body.max_tokens)
-    options["score"] = None
+    asked = _options(body, body.max_completion_tokens or body.max_tokens)
+    asked["score"] = None
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if body.logprobs:
-        options["score"] = Score(body.top_logprobs or 0)
-    options["messages"] = [_joined(m.model_dump(exclude_none=True)) for m in body.messages]
-    for i, m in enumerate(options["messages"]):
+        asked["score"] = Score(body.top_logprobs or 0)
+    asked["messages"] = [_joined(m.model_dump(exclude_none=True)) for m in body.messages]
+    for i, m in enumerate(asked["messages"]):
         _check_json_strings(m, f"messages[{i}]", "messages")
     if body.chat_template_kwargs:
         _check_json_strings(body.chat_template_kwargs, "chat_template_kwargs",
                             "chat_template_kwargs")
-        options["chat_template_kwargs"] = body.chat_template_kwargs
-    return options, field
+        asked["chat_template_kwargs"] = body.chat_template_kwargs
+    return asked, field
 
 
 def _joined(message: dict) -> dict:
@@ -218,6 +219,8 @@ def _joined(message: dict) -> dict:
 
 
 def _options(body: Body, max_tokens: int | None) -> dict:
+    """The request's `DecodeOptions` (the server sets the schedule, its width and the
+    cache) and its number of choices."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOPS:
         raise APIError(400, f"at most {MAX_STOPS} stop sequences, got {len(stop)}", param="stop")
@@ -226,9 +229,10 @@ def _options(body: Body, max_tokens: int | None) -> dict:
     temperature = 1.0 if body.temperature is None else float(body.temperature)
     # Without a seed, a fresh one: the same request sampled twice gives two samples.
     seed = secrets.randbelow(2**32) if body.seed is None else body.seed
-    return dict(max_new_tokens=max_tokens, temperature=temperature,
-                top_p=None if body.top_p is None else float(body.top_p), seed=seed,
-                stop_sequences=stop, n=body.n)
+    options = DecodeOptions(max_new_tokens=max_tokens, temperature=temperature,
+                            top_p=None if body.top_p is None else float(body.top_p), seed=seed,
+                            stop_sequences=tuple(stop))
+    return {"options": options, "n": body.n}
 
 
 def _check_json_strings(value, where: str, param: str) -> None:
@@ -242,7 +246,7 @@ def _check_strings(value, where: str) -> None:
     """Every string inside free-form JSON (a message's extra fields, template keywords)
     is valid Unicode: the template and the tokenizer cannot take a lone surrogate."""
     if isinstance(value, str):
-        validate.text(value, where)
+        api.text(value, where)
     elif isinstance(value, dict):
         for k, v in value.items():
             _check_strings(k, where)

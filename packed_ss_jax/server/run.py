@@ -14,8 +14,7 @@ from pathlib import Path
 
 import uvicorn
 
-from ..http_guard import Limits, access, protocol
-from .batcher import Batcher
+from .http_guard import Limits, access, protocol
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -59,7 +58,7 @@ def serve(app, sock: socket.socket, limits: Limits) -> bool:
                             timeout_graceful_shutdown=int(limits.drain_timeout_s) + 3)
     state = app.app.state
     _log_access()
-    _Draining(config, state.decoder, limits).run(sockets=[sock])
+    _Draining(config, state.decoder, state.deadline, limits).run(sockets=[sock])
     return not state.decoder.thread.is_alive() and not state.preparer.busy
 
 
@@ -77,9 +76,9 @@ class _Draining(uvicorn.Server):
     """uvicorn's server whose first exit signal starts the decoder's drain: new requests
     get 503 at once, the ones in flight are ended with 503 at the drain deadline."""
 
-    def __init__(self, config, decoder: Batcher, limits: Limits):
+    def __init__(self, config, decoder, deadline, limits: Limits):
         super().__init__(config)
-        self.decoder, self.limits = decoder, limits
+        self.decoder, self.deadline, self.limits = decoder, deadline, limits
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -103,5 +102,5 @@ class _Draining(uvicorn.Server):
             # A signal handler runs between two steps of the event loop, on its thread.
             loop = asyncio.get_running_loop()
             loop.call_soon_threadsafe(loop.call_later, self.limits.drain_timeout_s,
-                                      self.decoder.abort_all)
+                                      self.deadline)
         super().handle_exit(sig, frame)

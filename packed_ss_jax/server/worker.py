@@ -1,7 +1,7 @@
-"""The server's preparing of requests off the event loop: the `Preparer` turns a
-request's options into checked `Request`s (one per choice) on a small thread pool (the
-chat template rendered, the prompt tokenized, every argument checked: once, and no JAX
-work); the decoder thread (batcher.py) runs them."""
+"""The server's preparing of requests off the event loop: the `Preparer` turns a request's
+fields into checked `Request`s (one per choice) on a small thread pool (the chat template
+rendered, the prompt tokenized, the request's `DecodeOptions` checked once, through the
+engine client; no JAX work); the engine client's thread decodes them."""
 
 from __future__ import annotations
 
@@ -10,52 +10,52 @@ import concurrent.futures
 import dataclasses
 import threading
 
-from .. import api, chat, stops, validate
-from ..options import Request
-from ..http_guard import Expired, Limits, within
-from ..validate import InputError
+from .. import api, chat
+from ..api import DecodeOptions, InputError, Request
 from .errors import APIError, draining
+from .http_guard import Expired, Limits, within
 
 PREPARE_THREADS = 2      # requests rendered and tokenized at once, off the event loop
 
 
 # --- preparing requests -------------------------------------------------------------------------
 
-# The library's argument names, as the API's request fields.
-_PARAMS = (("stop", "stop"), ("max_new_tokens", "max_tokens"), ("temperature", "temperature"),
-           ("top_p", "top_p"), ("seed", "seed"), ("chat_template_kwargs", "chat_template_kwargs"))
+# The library's argument names (`InputError.param`) as the API's request fields; an error
+# about any other argument is the prompt's (or the messages').
+_FIELDS = {"stop_sequences": "stop", "temperature": "temperature", "top_p": "top_p",
+           "seed": "seed", "chat_template_kwargs": "chat_template_kwargs"}
 
 
-def _param(message: str, prompt_field: str, max_tokens_field: str) -> str:
-    """The request field a library error is about: the first argument name it mentions."""
-    found = [(message.find(name), field) for name, field in _PARAMS if name in message]
-    if found:
-        field = min(found)[1]
-        return max_tokens_field if field == "max_tokens" else field
-    return prompt_field
+def _param(e: InputError, prompt_field: str, max_tokens_field: str) -> str:
+    """The request field a library error is about."""
+    if e.param == "max_new_tokens":
+        return max_tokens_field
+    return _FIELDS.get(e.param, prompt_field)
 
 
 class Preparer:
-    """Turns a request's options into the decoder's checked requests, off the event loop:
-    the chat template rendered and the prompt tokenized once, the length and every other
-    argument checked (`api.check`, no JAX work). `defaults` holds the server's decode
-    options (schedule, width, and `cache_size`: the --max-model-len every request must
-    fit)."""
+    """Turns a request's fields into the decoder's checked requests, off the event loop:
+    the chat template rendered and the prompt tokenized once, the length checked against
+    the server's capacity (`--max-model-len`) and the options checked once (the engine
+    client's `check`, on the server's schedule and width; no JAX work)."""
 
-    def __init__(self, model, defaults: dict, limits: Limits, expired: asyncio.Event):
-        self.model, self.defaults, self.limits, self.expired = model, defaults, limits, expired
-        self.context = defaults["cache_size"]
+    def __init__(self, client, limits: Limits, expired: asyncio.Event):
+        self.client, self.limits, self.expired = client, limits, expired
+        self.model, self.context = client.model, client.capacity
         # No token covers more characters than its vocabulary entry spells, so a text
         # longer than this cannot fit the context: refused before the tokenizer sees it.
-        longest = _longest_token(model.tokenizer)
+        longest = _longest_token(self.model.tokenizer)
         self.max_chars = self.context * longest
-        self.max_stop_chars = stops.MAX_STOP_LEN * longest  # likewise, a stop's tokens
+        self.max_stop_chars = api.MAX_STOP_LEN * longest  # likewise, a stop's tokens
         self.pool = concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS,
                                                           thread_name_prefix="packed-ss-prepare")
         self._lock, self._active = threading.Lock(), 0
 
-    async def __call__(self, options: dict, max_tokens_field: str) -> list[Request]:
-        return await self._off_loop(self._prepare, options, max_tokens_field)
+    async def __call__(self, asked: dict, max_tokens_field: str) -> list[Request]:
+        """`asked` (formats.completion_options, chat_options): the request's
+        `DecodeOptions` ("options"), its choices ("n") and its prompt ("prompt", "prompts")
+        or messages ("messages", "chat_template_kwargs")."""
+        return await self._off_loop(self._prepare, asked, max_tokens_field)
 
     async def _off_loop(self, fn, *args):
         """`fn(*args)` on the pool, under the prepare time limit and the drain."""
@@ -77,80 +77,69 @@ class Preparer:
         """Takes no more requests; those waiting for a thread are dropped."""
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def _prepare(self, options: dict, max_tokens_field: str) -> list[Request]:
+    def _prepare(self, asked: dict, max_tokens_field: str) -> list[Request]:
         with self._lock:
             self._active += 1
         try:
-            return self._checked(dict(options), max_tokens_field)
+            return self._checked(asked, max_tokens_field)
         finally:
             with self._lock:
                 self._active -= 1
 
-    def _checked(self, options: dict, max_tokens_field: str) -> list[Request]:
+    def _checked(self, asked: dict, max_tokens_field: str) -> list[Request]:
         """The request of each of the `n` choices: one check, then choice i with the
         request's seed + i (mod 2**32). A batch of prompts: each prompt's choices, in
         order."""
-        if "prompts" in options:
-            batch = options.pop("prompts")
-            return [r for prompt in batch
-                    for r in self._checked({**options, "prompt": prompt}, max_tokens_field)]
-        field = "messages" if "messages" in options else "prompt"
-        n = options.pop("n")
+        if "prompts" in asked:
+            rest = {k: v for k, v in asked.items() if k != "prompts"}
+            return [r for prompt in asked["prompts"]
+                    for r in self._checked({**rest, "prompt": prompt}, max_tokens_field)]
+        field = "messages" if "messages" in asked else "prompt"
+        options: DecodeOptions = asked["options"]
         try:
-            ids = self._prompt_ids(options, field)
-            for stop in options["stop_sequences"]:
+            ids = self._prompt_ids(asked, field)
+            for stop in options.stop_sequences:
                 if len(stop) > self.max_stop_chars:  # before the tokenizer sees it
                     raise APIError(400, f"a stop string of {len(stop)} characters is longer "
-                                        f"than the {stops.MAX_STOP_LEN} tokens a stop may "
+                                        f"than the {api.MAX_STOP_LEN} tokens a stop may "
                                         "have", param="stop")
-            if options["max_new_tokens"] is None:  # what fits (chat's default)
-                options["max_new_tokens"] = max(self.context - len(ids), 1)
-            self._fits(len(ids), options["max_new_tokens"], field, max_tokens_field)
-            first = api.check(self.model, ids, **self.defaults, **options)
-        except chat.TemplateError as e:  # the template's own words may name any field
-            param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
-            raise APIError(400, str(e), param=param) from None
-        except InputError as e:
-            raise APIError(400, str(e), param=_param(str(e), field, max_tokens_field)) from None
-        return [first] + [dataclasses.replace(first, seed=(first.seed + i) % validate.SEED_LIMIT)
-                          for i in range(1, n)]
+            if options.max_new_tokens is None:  # what fits (chat's default)
+                options = dataclasses.replace(options,
+                                              max_new_tokens=max(self.context - len(ids), 1))
+            self._fits(len(ids), options.max_new_tokens, field, max_tokens_field)
+            first = self.client.check(ids, options)
+        except InputError as e:   # a chat.TemplateError among them
+            raise APIError(400, str(e), param=_param(e, field, max_tokens_field)) from None
+        return [first] + [dataclasses.replace(first, seed=(first.seed + i) % api.SEED_LIMIT)
+                          for i in range(1, asked["n"])]
 
-    def _prompt_ids(self, options: dict, field: str) -> list[int]:
-        """The prompt's token ids (taking the prompt, or the messages and template keywords,
-        out of `options`): the chat template rendered once, the text tokenized once."""
+    def _prompt_ids(self, asked: dict, field: str, special: bool = True) -> list[int]:
+        """The prompt's token ids: the chat template rendered once, the text tokenized
+        once (`special`: with the tokenizer's special tokens, as a completion's prompt)."""
         if field == "messages":
-            ids = api.chat_prompt(self.model, options.pop("messages"),
-                                  options.pop("chat_template_kwargs", None),
-                                  max_chars=min(self.max_chars, chat.MAX_CHARS))
-        else:
-            prompt = options.pop("prompt")
-            if isinstance(prompt, str) and len(prompt) > self.max_chars:
-                raise APIError(400, f"the prompt has {len(prompt)} characters: more than this "
-                                    f"server's limit of {self.context} tokens (--max-model-len) can hold",
-                               param="prompt", code="context_length_exceeded")
-            if options.pop("special", True):
-                ids = validate.prompt_ids(self.model, prompt)
-            else:  # /tokenize's add_special_tokens: false
-                ids = validate.encode(self.model.tokenizer, validate.text(prompt, "prompt"),
-                                      add_special_tokens=False)
-        return [int(i) for i in ids]
+            return api.chat_prompt(self.model, asked["messages"],
+                                   asked.get("chat_template_kwargs"),
+                                   max_chars=min(self.max_chars, chat.MAX_CHARS))
+        prompt = asked["prompt"]
+        if isinstance(prompt, str) and len(prompt) > self.max_chars:
+            raise APIError(400, f"the prompt has {len(prompt)} characters: more than this "
+                                f"server's limit of {self.context} tokens (--max-model-len) can "
+                                "hold", param="prompt", code="context_length_exceeded")
+        return api.prompt_ids(self.model, prompt, add_special_tokens=special)
 
     async def tokenize(self, body) -> list[int]:
         """The ids of a /tokenize body (a prompt, or messages through the chat template),
         off the event loop, under the prepare time limit."""
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give a prompt or messages (one of them)", param="prompt")
-        options = ({"prompt": body.prompt, "special": body.add_special_tokens}
-                   if body.prompt is not None else
-                   {"messages": [m.model_dump(exclude_none=True) for m in body.messages],
-                    "chat_template_kwargs": body.chat_template_kwargs})
+        asked = ({"prompt": body.prompt} if body.prompt is not None else
+                 {"messages": [m.model_dump(exclude_none=True) for m in body.messages],
+                  "chat_template_kwargs": body.chat_template_kwargs})
         field = "prompt" if body.prompt is not None else "messages"
 
         def ids():
             try:
-                return self._prompt_ids(options, field)
-            except chat.TemplateError as e:
-                raise APIError(400, str(e), param="messages") from None
+                return self._prompt_ids(asked, field, body.add_special_tokens)
             except InputError as e:
                 raise APIError(400, str(e), param=field) from None
 

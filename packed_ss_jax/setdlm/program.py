@@ -1,8 +1,8 @@
 """The SetDLM decode program: the prompt call, then `lax.while_loop` over one schedule step.
 
-`build(m, program)` returns the `Loop` (loop.py) the driver (engine.py) compiles:
-`run(params, prompt, n, limits, key) -> outcome`, or the same in chunks (`start`,
-`resume`). The prompt length, the length limit and the stop markers (`limits`: the
+`build(m, program)` returns the `Loop` (loop.py) the engine compiles: `run(params,
+prompt, prompt_len, limits, key) -> outcome`, or its pieces over slots (batched.py). The
+prompt length, the length limit and the stop markers (`limits`: the
 length limit and a fixed-size table of markers, EOS included, see stops.py) are traced,
 so they never recompile.
 """

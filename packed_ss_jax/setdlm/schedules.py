@@ -1,35 +1,13 @@
 """One pure `step(state) -> state` per SetDLM schedule (App. C, D.2, E.6; Section 3.2).
 
-Each step is one iteration of Algorithm 3 (or of the release's decoder for "native"):
-choose U_t and its order, make the call(s), accept, commit the clean rows, keep the
-correction for the next call's N row, store the next draft, apply the stop rule.
-
-serial     one query per call `[N | M]`: the serial one-token-at-a-time reference.
-native     the release's threshold decoder: commit the most confident proposal and
-           every proposal with probability >= 0.9; they are fed next call (greedy only).
-linear     draft `[N | R]` from the newest prefix, then verify `[O | M]` (2 NFE).
-quadratic  `[N | O | M | branches]`: verify and draft every acceptance outcome (1 NFE).
-packed     `[N | O | M | R]`: verify D_{t-1} and draft from P_{t-1} in one call.
-branched   Packed-SS's call plus Quadratic-SS's branches for the k - 1 most accepted
-           outcomes (beyond the paper; docs/branched.md).
-
-Greedy (temperature 0): predictions are argmax with the MASK logit excluded, a draft is
-accepted when it equals the verifier's argmax, in the window's order (LTR or confidence).
-
-Sampling (temperature > 0, LTR order): the target at an output position is the tempered,
-truncated SetDLM AR conditional with MASK excluded (the M query at that position seeing
-the committed prefix and the earlier-rank drafts); serial ancestral sampling from it is
-the reference law. Each draft is drawn from the drafter's Q at its R query (Quadratic-SS:
-the branch matching the accepted prefix) and its Q is stored with it: Packed-SS and
-Quadratic-SS verify a draft one call after drafting it, against the Q it was drawn from,
-with Algorithm 2 (accept with probability min(1, p(d)/Q(d)), the first rejection draws
-from normalised [p - Q]_+). When every stored draft is accepted, the next unresolved rank
-of the window (if any) is drawn from p, its M query seeing all the accepted drafts, as
-the greedy steps take its argmax; a window with no further rank ends the iteration
-without a correction, and the next position is drawn in the next call. Fresh keys are
-split from the key carried in the state every step, so a seed reproduces a run. The
-confidence order is greedy only: with sampling it would make the verification order
-depend on the drafts.
+Each step is one iteration of Algorithm 3 (or, for "native", of the release's threshold
+decoder): choose U_t and its order, make the call(s), accept, commit the clean rows, keep
+the correction for the next call's N row, store the next draft, apply the stop rule.
+Greedy steps take the argmax with MASK excluded, in the window's order (LTR or
+confidence); sampled steps (LTR only) verify each draft one call after drafting it,
+against the `Q` it was drawn from (Algorithm 2), and split fresh keys from the state's
+key every step. Each schedule's rows: README.md#schedules; orders and the sampling
+rule: docs/setdlm.md.
 """
 
 from __future__ import annotations

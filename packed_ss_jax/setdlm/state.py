@@ -1,28 +1,13 @@
 """SetDLM decoding state and the bookkeeping every schedule shares (App. C, Alg. 3).
 
-Output positions are numbered by output index `o` = 0, 1, ... (position id `n + o`
-after a prompt of `n` tokens). With any-order verification the accepted positions
-need not form a prefix, so the state keeps, per output index, the accepted token,
-whether it is resolved, the stored draft and its confidence score. `E` is the number
-of output positions to fill (Alg. 3's last position): it starts at the length limit
-and only shrinks when a stop marker is accepted (App. E.2).
-
-The KV cache holds the prompt and accepted tokens as clean rows, in the order they
-were fed (`slot_out` records each slot's output index, -1 for the prompt). A token
-accepted as a correction is fed as a clean `N` row in the next call, like the
-release's decoder does, so it waits in `pend_*`. When `E` shrinks, the entries past
-it leave the conditioning context: their slots stay in the buffer, masked out of every
-later call (`visible`). Moving the live slots together instead would be a gather along
-the slot axis, and XLA would then lay the loop's cache out slot-major and copy it back
-for every attention read of every step.
-
-Everything has a static shape; counts are traced scalars.
-
-Non-finite logits stop the loop: `finish` looks at the verifier rows behind the
-tokens kept this iteration and at the drafter rows (rows past the accepted ranks
-condition on rejected drafts and are not looked at), drops the tokens taken from a
-non-finite row and records in `nonfinite_at` the length of the resolved prefix left;
-the driver raises on the host (results.check_finite).
+With any-order verification the accepted positions need not form a prefix, so the state
+keeps, per output index `o` (position `n + o` after an `n`-token prompt), the accepted
+token, whether it is resolved, the stored draft and its confidence. `E`, the number of
+output positions to fill, starts at the length limit and shrinks only when a stop marker
+is accepted (App. E.2); entries past it stay in the cache, masked out of every later call
+(`visible`), since moving the live slots together would copy the cache every step
+(docs/performance.md). A correction waits in `pend_*` to be fed as the next call's clean
+`N` row. Shapes are static, counts traced; non-finite logits stop the loop (`finish`).
 """
 
 from __future__ import annotations

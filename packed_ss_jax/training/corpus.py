@@ -1,23 +1,13 @@
 """The training corpus: built offline from the generator below and the interpreter itself.
 
-Three sources, each split into disjoint train and test parts (five training streams:
-problems, drills, recall, code, prose):
-
-* arithmetic: grade-school word problems with a step-by-step solution and a final
-  answer line `#### N`, generated from a seed; sums and differences are worked in
-  columns, ones first (`28 + 9 (8+9=17,2+0+1=3) = 37`, see `plus` / `minus`); a problem
-  belongs to the test split when the hash of its question text falls in the test
-  bucket, so no question text is ever in both splits. Training also reads practice
-  sheets of equations (`drills`: the addition, subtraction, multiplication and division
-  facts the solutions use, worked the same way) and copying sheets (`recall`: random
-  lists of the names, items, containers and numbers the problems use, each written
-  twice), which carry no word problem;
-* code: Python source files of the standard library (`Lib/*.py`), split by file name;
-* prose: English text bundled with the interpreter: the docstrings of the standard
-  library (read with `ast`, nothing is imported) and the `pydoc_data` help topics,
-  split by file name / topic name.
-
-Everything is a pure function of (seed, interpreter), so the corpus is reproducible.
+Three sources, each split into disjoint train and test parts: generated arithmetic word
+problems with worked solutions (`plus` / `minus` work sums in columns, ones first), split
+by a hash of the question text, with the practice (`drills`) and copying (`recall`)
+sheets training also reads; Python source of the standard library, split by file; and
+English prose bundled with the interpreter (standard-library docstrings, read with `ast`,
+and the `pydoc_data` help topics), split by file or topic. Everything is a pure function
+of (seed, interpreter), so the corpus is reproducible. What each source holds and the
+training mix: packed_ss_jax/embedded/nld-tiny/README.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """The Nemotron-Labs-Diffusion objective at small scale, on a doubled sequence.
 
-One training row is `[x_t | x_0]`: a noised copy of a clean window followed by the
-clean window itself, both at positions 0..L-1. The clean window is cut into blocks
-(sizes drawn per block); the attention mask is the block-diffusion mask
-
-* noised block -> itself: bidirectional (M_BD),
-* noised block -> clean copy: strictly earlier clean positions only (M_OBC),
-* clean copy -> clean copy: causal (M_FC); the clean copy never sees the noised one,
-
-and the loss is `ar_weight * AR CE(clean, shifted) + diff_weight * diffusion CE`, where the
-diffusion CE is taken on the masked positions of the noised copy (unshifted: the MASK
-row at position p predicts x_0[p]), each divided by its block's mask rate.
-
-Drafting layouts. Packed-SS and Linear-SS draft with `[x, MASK^(B-1)]` at positions
-c..c+B-1 after a cached clean prefix of c tokens, where x (the last verified token) is
-a block row that sees and is seen by the masks. The noised blocks reproduce exactly
-that: most blocks keep their first token clean (`x`) and mask the rest, and they see
-the clean copy strictly before the block start, i.e. the prefix before x. A share of
-blocks is masked whole, which is the first-call layout (`MASK^B` right after the
-prompt); a share is masked at a random rate, the usual masked-diffusion curriculum.
+One training row is `[x_t | x_0]`, a noised copy of a clean window and the window itself,
+both at positions 0..L-1, cut into blocks under the block-diffusion mask: a noised block
+sees itself bidirectionally (M_BD) and the clean copy strictly before it (M_OBC); the
+clean copy is causal (M_FC) and never sees the noised one. Loss: `ar_weight` x the clean
+copy's shifted AR CE + `diff_weight` x the CE on the noised copy's masked positions
+(unshifted: the MASK row at p predicts x_0[p]), each divided by its block's mask rate.
+Most blocks are `[x, MASK^(B-1)]`, the layout Packed-SS and Linear-SS draft with; the
+kinds of block and their shares: packed_ss_jax/embedded/nld-tiny/README.md.
 """
 
 from __future__ import annotations

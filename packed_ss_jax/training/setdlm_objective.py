@@ -1,40 +1,15 @@
 """The SetDLM objective at small scale: the two-stream (duplicate-mask) construction.
 
-One training row holds a clean window `x0` (positions 0..L-1) three times:
+One training row holds a clean window `x0` three times, in a feeding order `sigma`:
 
     [ x0[sigma] | MASK^L | MASK^L ]      positions [ sigma | sigma | sigma ]
 
-`sigma` is the feeding order. The first copy is the clean (content) stream: its row of
-rank i carries the token at position sigma(i) and sees the clean rows of rank <= i, so
-clean rows are causal in feeding order, exactly as the decoder feeds prompt, corrections
-and accepted drafts into the cache. The other two copies are query streams of MASK rows;
-the query row of rank k sits at position sigma(k), predicts the token there (no shift:
-the head is "token at my position" for a MASK input), and sees the clean rows of rank
-< cut[k] and itself, never another query row. The streams differ in their cuts:
-
-* verifier stream, cut[k] = k: p(x_sigma(k) | x_sigma(<k)), the any-order AR
-  conditional. In textual order this is the serial reference's `[N | M]` call (the MASK
-  at the next position sees every earlier token), and it is what the M rows of
-  Packed/Linear/Quadratic-SS and the native decoder's rows compute;
-* drafter stream, cut[k] = k - g_k with a gap g_k >= 1 drawn per row: the MASK at
-  sigma(k) sees the fed tokens except the last g_k, which is what a draft query (the R
-  rows, the draft call `[N | R]`, the native decoder's window) sees: the cache, not the
-  window positions before it. Drafts are verified one call after they are made, so
-  the drafts that get checked were made g >= 1 ranks ahead.
-
-Loss: `ar_weight * CE(verifier stream) + diff_weight * CE(drafter stream)`, plus
-`next_weight *` the clean stream's next-token CE (the clean row at position j predicts
-x[j+1] when position j+1 is fed later, so it cannot copy it). The decoder never reads
-the clean rows' logits; this auxiliary loss only shapes the keys and values they leave
-in the cache, which a model trained from scratch (the release fine-tunes an AR model)
-otherwise learns only through the query streams.
-
-Orders: a share `p_ltr` of rows are fed in textual order (LTR verification, and the
-serial reference); the rest in a local shuffle, `sigma = argsort(j + D * U_j)` with
-U_j ~ U(0, 1) and D drawn from `spans`: a position is overtaken only by the next D - 1,
-the same bound the decoder's window puts on confidence order (nothing past the
-leftmost unresolved position + W - 1 is ever fed), and the lead bound of the release's
-StaggeredNoise with max_block_size = D.
+The clean stream is causal in feeding order, as the decoder fills its cache. A query row
+of rank k sits at sigma(k), predicts the token there (no shift) and sees the clean rows
+of rank < cut[k] and itself: cut[k] = k in the verifier stream (the any-order AR
+conditional the M rows compute), k - g_k with a drawn gap g_k >= 1 in the drafter stream
+(what a draft query made one call ahead sees). The loss weighs both streams' CE and the
+clean stream's next-token CE; the why and the orders: docs/setdlm.md#training-objective.
 """
 
 from __future__ import annotations

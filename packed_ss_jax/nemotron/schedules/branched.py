@@ -1,24 +1,13 @@
 """Branched-SS, between Packed-SS and Quadratic-SS (the intermediate designs Section 6
-leaves to future work): one call verifies the previous draft and pre-drafts the
-zero-accepted branch, as Packed-SS does, plus a branch for each of a few acceptance
-outcomes, as Quadratic-SS does for all of them.
+leaves to future work).
 
-Input: Packed-SS's `[x, D̄ | x, MASK^(B-1)]`, then for each outcome h of
-`layouts.branch_outcomes` (the whole draft accepted, then one fewer, ...; k - 1 of them)
-the group `MASK^B` at positions c+h+1 .. c+h+B, which sees x, d_1..d_h in the verify
-half (Quadratic-SS's branch h, its head read from the verify half). After verification,
-if h is one of the outcomes, that branch's proposals past the correction/bonus position
-are the next draft (B-1 tokens); otherwise Packed-SS's zero-accepted proposals past the
-accepted tokens are (B-1-A tokens). The outcomes count from the draft's length, since a
-draft shortened by Packed-SS's rule can never be accepted to B-1. `branches` = k:
-k = 1 is Packed-SS; k = B gives every outcome of a full draft a branch (Quadratic-SS,
-except that its zero-accepted draft is Packed-SS's, one token shorter). 2B + (k-1)B
-rows per call.
-
-Sampling: the next draft is drawn from the selected rows only and its Q stored with it.
-Which rows are selected depends on this call's verification alone, so the draft's
-proposal distribution is fixed before the next call verifies it, and Algorithm 2 keeps
-the AR law (the argument of App. E.4 for Quadratic-SS's branch choice).
+One call holds Packed-SS's `[x, D̄ | x, MASK^(B-1)]` plus, for each of the k - 1 most
+accepted outcomes h (`layouts.branch_outcomes`, counted from the draft's length), the
+group `MASK^B` at positions c+h+1 .. c+h+B that sees x, d_1..d_h (Quadratic-SS's branch
+h): 2B + (k-1)B rows. When the verification accepts one of those h, its branch supplies
+the next draft; otherwise Packed-SS's zero-accepted proposals do. k = 1 is Packed-SS.
+Sampling stays exact, since which rows are selected depends on this call's verification
+alone. The design and its measurements: docs/branched.md.
 """
 
 from __future__ import annotations

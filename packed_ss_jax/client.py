@@ -1,34 +1,18 @@
-"""Continuous batching: every request decoded in a slot of a batched decode state, beside
-the requests already running, by the one thread that makes JAX calls.
+"""`EngineClient`: what a server needs of the engine, behind one object (check, submit,
+abort, metrics), and the decoder thread that serves its requests on one `Scheduler`.
 
 The server decodes with one schedule, width and cache capacity (`--max-model-len`), and
-every request on the schedule's sampled program (`options.on_sampled_program`: a greedy
-request is one at temperature 0, decoded as data), so requests differ only in their
-prompt bucket and in data. There is one decode state of `slots` sequences
-(`Engine.slots`); everything a request asks for (temperature, top-p, seed, stops, max
-tokens) is data of its slot, and every running slot advances in the same call. (A
-schedule or order that decodes greedily only, SetDLM's native decoder or its confidence
-order, serves on its greedy program; sampled requests are refused there.) Every program
-the server can run (the first call at every prompt bucket, and insert, generate, halt
-and outcome, and the scoring forward of logprobs and echo at every length bucket) is
-compiled, or read from the persistent compilation cache, by `warm` before the server
-takes requests: no request compiles.
+every request on the schedule's sampled program (a greedy request is one at temperature
+0, decoded as data), so requests differ only in their prompt bucket and in data: one
+decode state of `slots` slots, every running slot advancing in the same launch. (SetDLM's
+native decoder and its confidence order decode greedily only: they serve on their
+greedy program and refuse sampled requests.) `warm` compiles, or reads from the
+persistent compilation cache, every program a request can need: no request compiles.
 
-The loop, on the decoder thread:
-
-- admit: each waiting request, while a slot is free, gets its first call
-  (`Engine.prefill`) written into that slot (`Engine.insert`);
-- launch: the state runs at most `steps` loop iterations (`Engine.dispatch`), and the
-  ids each slot made final go to its request's `Chunker` and on to the client;
-- a slot whose sequence stopped in the loop (EOS, a stop marker, its length), whose
-  output reached a stop text, or whose client went away is stopped (`Engine.halt`), read
-  out (`Engine.outcome`) and freed for the next admit.
-
-Each slot evolves as its request decoded alone would (the same first call, then the same
-step: the batched step is the step applied to every slot), so every response has the
-tokens `decode` gives that request alone, greedy or sampled with its seed. `steps` sets
-how often the host hears from the device: fewer iterations per launch reach a client
-sooner and start a waiting request sooner, at one host round trip per launch.
+The decoder thread loops: admit waiting requests into free slots (a prefill each);
+launch `steps` iterations; hand each slot's newly final ids to its request's `Chunker`
+and client; take out the slots that stopped in the loop, reached a stop text or lost
+their client. Every response has the tokens `decode` gives that request alone.
 """
 
 from __future__ import annotations
@@ -42,14 +26,14 @@ import time
 
 import numpy as np
 
-from .. import memory, scoring
-from ..chunks import Chunker, StreamChunk
-from ..engine import Engine, keep_at_least, to_host
-from ..validate import InputError
-from ..options import DecodeOptions, Program, Request, bucket_for, on_sampled_program
-from ..results import DecodeResult, check_finite, of_outcome
-from .errors import draining
-from .metrics import Metrics
+from . import api, memory, programs, scoring, validate
+from .chunks import Chunker, StreamChunk
+from .engine import Engine
+from .options import DecodeOptions, Program, Request, bucket_for, on_sampled_program
+from .planner import AUTO
+from .results import DecodeResult
+from .scheduler import Ended, Scheduler, Update
+from .validate import InputError
 
 DEFAULT_SLOTS = 8     # --max-num-seqs
 DEFAULT_STEPS = 4     # --steps-per-launch: loop iterations between the host's looks
@@ -57,13 +41,27 @@ DEFAULT_STEPS = 4     # --steps-per-launch: loop iterations between the host's l
 _PER_STATE = ("empty", "insert", "generate", "halt", "outcome")
 
 
+class Draining(Exception):
+    """The client takes no more requests: its server is shutting down."""
+
+
+class Observer:
+    """What the client reports as requests end (the server's metrics replace it)."""
+
+    def first_token(self, seconds: float) -> None: ...
+
+    def finished(self, result: DecodeResult, first_token_s, wall_s: float) -> None: ...
+
+    def ended(self, outcome: str) -> None: ...
+
+
 class Job:
     """One request (its `n` choices, each a checked request with its own seed) on its way
     through the decoder thread. Items come back through an asyncio queue on the event
     loop: (choice, StreamChunk, Scores or None) triples, an exception (re-raised there),
-    None at the end. `score` (formats.Score): what to score, once a choice has ended, or
-    with every chunk when `streamed` (then each chunk's Scores cover the prompt and the
-    output up to the chunk's end)."""
+    None at the end. `score` (a format's Score): what to score, once a choice has ended,
+    or with every chunk when `streamed` (each chunk's scores then cover the prompt and
+    the output up to the chunk's end)."""
 
     def __init__(self, choices: list[Request], loop: asyncio.AbstractEventLoop, score=None,
                  streamed: bool = False):
@@ -94,53 +92,52 @@ class Job:
 
 
 @dataclasses.dataclass
-class _Seat:
-    """One choice of a job, in a slot: what has been handed out of it so far."""
+class Choice:
+    """A seat's tag: which choice of which job, and its chunker."""
 
     job: Job
-    index: int          # the choice
-    request: Request
+    index: int
     chunker: Chunker
-    started: float
-    count: int = 0      # leading output ids handed to the chunker
 
 
-class _Pool:
-    """The slots: their decode state and which seat each slot holds."""
-
-    def __init__(self, engine: Engine, program: Program, slots: int):
-        self.program = program
-        self.state = engine.slots(program, slots)
-        self.seats: list[_Seat | None] = [None] * slots
-
-    def free(self) -> int | None:
-        return next((i for i, s in enumerate(self.seats) if s is None), None)
-
-    @property
-    def busy(self) -> int:
-        return sum(s is not None for s in self.seats)
+def choose_auto(model, width: dict | None, max_model_len: int, slots: int):
+    """Schedule "auto" for a server: the candidate predicted fastest with every slot busy
+    on caches of `max_model_len` (a width or branches given keep that width or k); its
+    schedule, its shape, and the choice's record."""
+    engine = Engine.of(model)
+    options = DecodeOptions(schedule=AUTO, cache_size=max_model_len, max_new_tokens=1,
+                            **(width or {}))
+    choice = api.auto_planner(model).choose(options, prompt_len=1, sequences=slots)
+    shape = choice.candidate.options(engine.family)
+    return shape.pop("schedule"), shape, choice.summary(engine.family)
 
 
-class Batcher:
-    """The decoder thread: admits requests into slots, launches, streams, frees."""
+class EngineClient:
+    """The engine as a server sees it: `check` a request's options into its choices'
+    requests, `submit` a Job, `abort_all`, and the gauges and events of its metrics."""
 
     def __init__(self, model, defaults: dict, slots: int = DEFAULT_SLOTS,
                  steps: int = DEFAULT_STEPS):
         self.engine = Engine.of(model)
+        self.model = model
         self.defaults, self.slots, self.steps = defaults, slots, steps
         self.capacity = defaults["cache_size"]
         self.program, self.sampled = self._slot_program()
-        self.pool: _Pool | None = None   # made by `warm`
+        self.scheduler: Scheduler | None = None   # made by `warm`
         self.jobs: queue.Queue = queue.Queue()
         self.waiting: collections.deque = collections.deque()   # (job, choice) to admit
         self.live: set[Job] = set()   # submitted and not yet ended
         self.thread = threading.Thread(target=self._work, name="packed-ss-decoder", daemon=True)
         self.draining = False
-        self.expired = asyncio.Event()   # set at the drain's deadline (on the event loop)
         self.cancelled = 0   # requests whose client left before the decode finished
+        self.observer = Observer()
         self.warm_s = 0.0
         self.programs = 0
-        self.metrics = Metrics(lambda: self.queued, lambda: self.busy_slots, slots)
+
+    @property
+    def label(self) -> str:
+        """The schedule served, with its width and branches (as `auto` labels them)."""
+        return self.program.shape.label(self.engine.family)
 
     # --- startup -----------------------------------------------------------------------
 
@@ -172,29 +169,37 @@ class Batcher:
 
     def warm(self) -> None:
         """Compiles (or reads from the persistent cache) every program a request can need,
-        by running each once: the first call at every bucket, inserted into the state,
-        launched, halted and read out, and the scoring forward at every length bucket.
-        Refuses, before allocating, a state that cannot fit in memory."""
-        buckets, program = self.buckets(), self.program
+        by running each once: the first call at every bucket into a slot, taken out, a
+        launch, and the scoring forward at every length bucket. Refuses, before
+        allocating, a state that cannot fit in memory."""
+        buckets, e = self.buckets(), self.engine
         scored = sorted({min(b, self.capacity) for b in buckets} | {self.capacity})
         self.programs = len(buckets) + len(_PER_STATE) + len(scored)
-        keep_at_least(self.programs + 8)
-        e = self.engine
-        memory.check(e.model, dataclasses.replace(program, bucket=buckets[-1]), self.capacity,
-                     self.slots, "a smaller --max-model-len or --max-num-seqs")
+        programs.keep_at_least(self.programs + 8)
+        memory.check(e.model, dataclasses.replace(self.program, bucket=buckets[-1]),
+                     self.capacity, self.slots, "a smaller --max-model-len or --max-num-seqs")
         t0 = time.perf_counter()
         for n in scored:   # logprobs and echo: prompt and output scored (scoring.py)
             scoring.score(e, [1] * n)
-        pool = self.pool = _Pool(e, program, self.slots)
+        s = self.scheduler = Scheduler(e, self.program, self.slots)
         for b in buckets:
             request = e.request([1] * min(b, self.capacity - 1), self._options())
-            pool.state = e.insert(e.prefill(self.seated(request)), pool.state, 0)
-        pool.state, _ = e.generate(pool.state, self.steps, program)
-        pool.state = e.halt(pool.state, 0, program)
-        e.outcome(pool.state, program)
+            s.admit([self.seated(request)], [None])
+            s.release([(0, False)])
+        s.updates(s.launch(self.steps))
         self.warm_s = time.perf_counter() - t0
 
     # --- the event loop's side ---------------------------------------------------------
+
+    def check(self, prompt, options: DecodeOptions) -> Request:
+        """The checked request of one prompt's ids and options on this server's schedule,
+        width and capacity (api.check; no JAX work)."""
+        return api.check(self.model, prompt, dataclasses.replace(options, **self.defaults))
+
+    def prompt_ids(self, prompt) -> list[int]:
+        """A prompt's ids: text through the tokenizer, or ids checked against the
+        vocabulary."""
+        return [int(i) for i in validate.prompt_ids(self.model, prompt)]
 
     def start(self) -> None:
         self.thread.start()
@@ -205,22 +210,21 @@ class Batcher:
 
     def submit(self, job: Job) -> None:
         if self.draining:
-            raise draining()
+            raise Draining()
         self.live.add(job)
         self.jobs.put(job)
 
     def ended(self, job: Job) -> None:
         self.live.discard(job)
 
-    def abort_all(self) -> None:
-        """The drain's deadline: every request still running or waiting ends with a 503."""
-        self.expired.set()
+    def abort_all(self, error: Exception) -> None:
+        """Every request still running or waiting ends with `error` (a drain's deadline)."""
         for job in list(self.live):
-            job.abort(draining())
+            job.abort(error)
 
     @property
     def busy_slots(self) -> int:
-        return 0 if self.pool is None else self.pool.busy
+        return 0 if self.scheduler is None else self.scheduler.busy
 
     @property
     def queued(self) -> int:
@@ -259,30 +263,24 @@ class Batcher:
         for job, i in self.waiting:
             if job.cancelled.is_set():
                 self._drop(job)
-                continue
-            if job.score is not None and job.score.only:
+            elif job.score is not None and job.score.only:
                 self._score_only(job, i)
-                continue
-            pool, request = self.pool, self.seated(job.choices[i])
-            slot = pool.free()
-            if slot is None:
+            elif not self.scheduler.free():
                 still.append((job, i))
-                continue
-            e = self.engine
-            pool.state = e.insert(e.prefill(request), pool.state, slot)
-            tokenizer = getattr(e.model, "tokenizer", None)
-            pool.seats[slot] = _Seat(job, i, request, Chunker(tokenizer, request.stop_texts),
-                                     time.perf_counter())
+            else:
+                request = self.seated(job.choices[i])
+                chunker = Chunker(getattr(self.model, "tokenizer", None), request.stop_texts)
+                self.scheduler.admit([request], [Choice(job, i, chunker)])
         self.waiting = still
 
     def _score_only(self, job: Job, index: int) -> None:
         """A choice that generates nothing (`max_tokens: 0`): its prompt scored, no slot."""
         request, t0 = job.choices[index], time.perf_counter()
-        seat = _Seat(job, index, request, Chunker(None), t0)
+        choice = Choice(job, index, Chunker(None))
         try:
             scores = scoring.score(self.engine, request.prompt, job.score.top)
         except Exception as error:  # reported to that request; the others go on
-            self._close(seat, error)
+            self._close(choice, error)
             return
         p = request.program
         result = DecodeResult(tokens=[], nfe=1, iterations=0, accept_hist=np.zeros(1, int),
@@ -290,104 +288,87 @@ class Batcher:
                               schedule=p.schedule, prompt_len=len(request.prompt), drafts=0,
                               text="", family=p.family, order=p.order)
         job.put((index, StreamChunk([], "", result), scores))
-        self._close(seat, None)
+        self._close(choice, None)
 
     def _drop(self, job: Job) -> None:
         """A waiting job whose client went away: counted once, never started."""
         if not job.finished:
             job.finished = True
             self.cancelled += 1
-            self.metrics.ended("cancelled")
+            self.observer.ended("cancelled")
 
     def _launch(self) -> None:
-        pool = self.pool
-        pool.state, progress = self.engine.dispatch(pool.state, self.steps, pool.program)
-        tokens, final, done, _ = to_host(progress)  # why it stopped: in the outcome
-        self._hand_out(pool, tokens, final, done)
+        """`steps` iterations of every slot, and what they made final handed out."""
+        self._hand_out(self.scheduler.updates(self.scheduler.launch(self.steps)))
 
-    def _hand_out(self, pool: _Pool, tokens, final, done) -> None:
-        """Each seat's newly final ids to its client; seats that are done are freed."""
+    def _hand_out(self, updates: list[Update]) -> None:
+        """Each seat's newly final ids to its client; seats that are done are taken out."""
         ending = []
-        for slot, seat in enumerate(pool.seats):
-            if seat is None:
-                continue
-            count = int(final[slot])
-            new = np.asarray(tokens[slot][seat.count:count]).tolist()
-            seat.count = count
-            chunk = seat.chunker.add(new, bool(done[slot]))
-            if (seat.job.cancelled.is_set() or seat.job.finished or seat.chunker.ended
-                    or done[slot]):
-                ending.append((slot, bool(done[slot])))
+        for u in updates:
+            choice = u.seat.tag
+            chunk = choice.chunker.add(u.new, u.done)
+            job = choice.job
+            if job.cancelled.is_set() or job.finished or choice.chunker.ended or u.done:
+                ending.append((u.slot, u.done))
             elif chunk is not None:
                 try:
-                    scores = self._streamed_scores(seat, chunk, tokens[slot][:count])
+                    scores = self._streamed_scores(u, chunk)
                 except Exception as error:  # reported to that request; the others go on
-                    self._close(seat, error)
-                    ending.append((slot, False))
+                    self._close(choice, error)
+                    ending.append((u.slot, False))
                     continue
-                self._put(seat, chunk, scores)
+                self._put(choice, chunk, scores)
         if ending:
-            self._finish(pool, ending)
+            for ended in self.scheduler.release(ending):
+                self._finish(ended)
 
-    def _finish(self, pool: _Pool, ending: list[tuple[int, bool]]) -> None:
-        e, program = self.engine, pool.program
-        for slot, done in ending:
-            if not done:  # ended on the host: stop it in the loop too
-                pool.state = e.halt(pool.state, slot, program)
-        outcome = e.outcome(pool.state, program)
-        for slot, done in ending:
-            seat = pool.seats[slot]
-            pool.seats[slot] = None
-            if seat.job.cancelled.is_set():
-                self._close(seat, None)
-                continue
-            if seat.job.finished:   # another of its choices failed: nothing more to send
-                continue
-            out = {name: x[slot] for name, x in outcome.items()}
-            if not done:  # the output so far: only its final ids
-                out["n_tokens"] = seat.count
-            try:
-                check_finite(out["nonfinite_at"], out["iterations"], out["tokens"])
-                result = of_outcome(e.model, e.family, seat.request, out,
-                                    time.perf_counter() - seat.started, 0.0)
-                scores = None if seat.job.score is None else scoring.score(
-                    e, list(seat.request.prompt) + result.tokens, seat.job.score.top)
-            except Exception as error:  # reported to that request; the others go on
-                self._close(seat, error)
-                continue
-            self._put(seat, seat.chunker.last(result), scores)
-            self.metrics.finished(result, seat.job.first_token_s,
-                                  time.perf_counter() - seat.job.submitted)
-            self._close(seat, None)
+    def _finish(self, ended: Ended) -> None:
+        choice = ended.seat.tag
+        job = choice.job
+        if job.cancelled.is_set():
+            self._close(choice, None)
+            return
+        if job.finished:   # another of its choices failed: nothing more to send
+            return
+        try:
+            result = self.scheduler.result(ended, time.perf_counter() - ended.seat.started)
+            scores = None if job.score is None else scoring.score(
+                self.engine, list(ended.seat.request.prompt) + result.tokens, job.score.top)
+        except Exception as error:  # reported to that request; the others go on
+            self._close(choice, error)
+            return
+        self._put(choice, choice.chunker.last(result), scores)
+        self.observer.finished(result, job.first_token_s, time.perf_counter() - job.submitted)
+        self._close(choice, None)
 
-    def _streamed_scores(self, seat: _Seat, chunk, output):
+    def _streamed_scores(self, u: Update, chunk):
         """A streamed chunk's scores, when its request asked for them and the chunk has
         tokens: the prompt and the output so far, scored (one forward per chunk)."""
-        job = seat.job
+        job = u.seat.tag.job
         if job.score is None or not job.streamed or not chunk.tokens:
             return None
-        return scoring.score(self.engine, list(seat.request.prompt) + list(output),
-                             job.score.top)
+        output = list(u.output[: u.seat.count])
+        return scoring.score(self.engine, list(u.seat.request.prompt) + output, job.score.top)
 
-    def _put(self, seat: _Seat, chunk, scores=None) -> None:
-        job = seat.job
+    def _put(self, choice: Choice, chunk, scores=None) -> None:
+        job = choice.job
         if job.first_token_s is None and chunk.tokens:
             job.first_token_s = time.perf_counter() - job.submitted
-            self.metrics.first_token(job.first_token_s)
-        job.put((seat.index, chunk, scores))
+            self.observer.first_token(job.first_token_s)
+        job.put((choice.index, chunk, scores))
 
-    def _close(self, seat: _Seat, error: Exception | None) -> None:
+    def _close(self, choice: Choice, error: Exception | None) -> None:
         """One choice has ended; the job ends with its last choice (or its first error)."""
-        job = seat.job
+        job = choice.job
         if job.finished:
             return
         if job.cancelled.is_set():
             self.cancelled += 1
-            self.metrics.ended("cancelled")
+            self.observer.ended("cancelled")
             job.finished = True
             return
         if error is not None:
-            self.metrics.ended("error")
+            self.observer.ended("error")
             job.open = 0
             job.put(error)
         else:
@@ -399,7 +380,7 @@ class Batcher:
     def _fail_all(self, error: Exception) -> None:
         """An error no single request caused: every seated request ends with it and its
         slot is freed (the state is rebuilt, since a failed launch may have consumed it)."""
-        for seat in self.pool.seats:
+        for seat in self.scheduler.seats:
             if seat is not None:
-                self._close(seat, error)
-        self.pool = _Pool(self.engine, self.program, self.slots)
+                self._close(seat.tag, error)
+        self.scheduler.reset()

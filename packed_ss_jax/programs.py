@@ -1,0 +1,128 @@
+"""The process-wide store of compiled programs, and the one way every program is compiled.
+
+Each compiled CPU program maps hundreds of memory regions and a process may map 65530,
+so a process that meets many shapes (a test run, a notebook) must let old programs go:
+every store counts toward one bound, and past it the least recently used program of any
+store is dropped (compiled again, or read back from the persistent compilation cache,
+when it is asked for again)."""
+
+from __future__ import annotations
+
+import collections
+import os
+import time
+import weakref
+from typing import Callable, NamedTuple
+
+import jax
+
+from . import compile_cache, sharding
+
+DEFAULT_MAX_PROGRAMS = 32
+
+
+class Key(NamedTuple):
+    """What a compiled program is: its kind ("decode", "prefill", "generate", ...), the
+    decode `Program` it runs, the slots of its decode state and the rows of its call."""
+
+    kind: str
+    program: object = None
+    slots: int = 0
+    rows: int = 0
+
+
+def max_programs() -> int:
+    """How many compiled programs all stores of this process hold together
+    (`PACKED_SS_MAX_PROGRAMS`, default DEFAULT_MAX_PROGRAMS, and at least what
+    `keep_at_least` asked for)."""
+    value = os.environ.get("PACKED_SS_MAX_PROGRAMS", "")
+    try:
+        bound = max(int(value), 1) if value else DEFAULT_MAX_PROGRAMS
+    except ValueError:
+        raise ValueError(f"PACKED_SS_MAX_PROGRAMS must be a positive integer, "
+                         f"got {value!r}") from None
+    return max(bound, _floor)
+
+
+_floor = 0
+
+
+def keep_at_least(n: int) -> None:
+    """Raises the bound on held programs to at least `n`, for a process that compiles a
+    known set up front and must never compile again (the server)."""
+    global _floor
+    _floor = max(_floor, n)
+
+
+class Programs(dict):
+    """Compiled programs by `Key` (a dict that can be held weakly)."""
+
+    def used(self, key):
+        """The program of `key` (None if not held), now the most recently used."""
+        exe = self.get(key)
+        if exe is not None:
+            _recent[(id(self), key)] = weakref.ref(self)
+            _recent.move_to_end((id(self), key))
+        return exe
+
+    def hold(self, key, exe) -> None:
+        self[key] = exe
+        _recent[(id(self), key)] = weakref.ref(self)
+        for k, store in list(_recent.items()):  # entries of stores gone
+            if store() is None:
+                del _recent[k]
+        while len(_recent) > max_programs():
+            (_, old), store = _recent.popitem(last=False)
+            if (held := store()) is not None:
+                held.pop(old, None)
+
+    def compiled(self, key, fn: Callable, *args, donate: tuple[int, ...] = ()):
+        """`fn` lowered and compiled for `args` once per `key`: the executable and the
+        seconds spent compiling now. `donate`: the arguments whose buffers the program may
+        reuse for its outputs (a state updated in place)."""
+        exe = self.used(key)
+        if exe is not None:
+            return exe, 0.0
+        compile_cache.ensure()
+        t0 = time.perf_counter()
+        exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+        self.hold(key, exe)
+        return exe, time.perf_counter() - t0
+
+
+# Every held program, least recently used first: (id of its store, key) -> its store.
+_recent: collections.OrderedDict = collections.OrderedDict()
+
+
+def clear_programs() -> None:
+    """Lets go of every compiled program of this process (to free their memory between
+    jobs); a program asked for again is compiled again, or read back from the persistent
+    compilation cache."""
+    for key, store in list(_recent.items()):
+        if (held := store()) is not None:
+            held.pop(key[1], None)
+    _recent.clear()
+
+
+# Stores by (the model's compile identity, the weights' placement), held weakly: alive
+# while an engine uses one.
+_shared: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def shared(model) -> Programs:
+    """The store of every engine of a model with this config on these devices: a program
+    takes the weights as an argument, so another checkpoint of the same shape (or new
+    weights in a training loop) runs the same programs."""
+    where = (model.program_key, _placement(model.params))
+    store = _shared.get(where)
+    if store is None:
+        store = _shared[where] = Programs()
+    return store
+
+
+def _placement(params) -> tuple:
+    """Where the weights lie, as far as a compiled program depends on it: nothing on one
+    device, else every weight's sharding."""
+    if sharding.mesh_of(params) is None:
+        return ()
+    return tuple(x.sharding for x in jax.tree.leaves(params))
