@@ -8,6 +8,7 @@ import pytest
 import packed_ss_jax as ps
 from packed_ss_jax import options
 from packed_ss_jax.engine import to_host
+from packed_ss_jax.programs import Key
 from test_setdlm_decode import tiny_setdlm
 from tiny import tiny_model
 
@@ -47,11 +48,11 @@ def test_second_decode_does_not_recompile(schedule, compiles):
     r = engine.decode(request)
     assert r.compile_s == 0.0
     assert compiles == []
-    assert list(engine.executables()) == [("decode", request.program)]
+    assert list(engine.executables()) == [Key("decode", request.program)]
     # Other weights of the same config: the compiled program takes the params as an
     # argument, so it runs them as it is, and gives their own decode.
     other = tiny_model(1)
-    exe = engine.executables()[("decode", request.program)]
+    exe = engine.executables()[Key("decode", request.program)]
     out = to_host(exe(other.params, *request.args()))
     assert compiles == []
     want = ps.Engine(other).decode(request)
