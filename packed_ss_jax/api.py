@@ -76,11 +76,21 @@ def decode_options(family, *, schedule: str = "packed", block_size: int | None =
                                  f"{type(options).__name__}", "options")
         return options
     return DecodeOptions(
-        schedule=schedule, width=options_lib.width_of(family, block_size=block_size,
-                                                       window=window),
+        schedule=schedule, width=_width(family, block_size=block_size, window=window),
         order=order, temperature=temperature, top_k=top_k, top_p=top_p,
         max_new_tokens=max_new_tokens, eos_id=eos_id, stop_sequences=stop_sequences,
         cache_size=cache_size, branches=branches, seed=seed)
+
+
+def _width(family, **given) -> int | None:
+    """The width, given under the family's own name (`block_size=` for Nemotron, `window=`
+    for SetDLM): the one place the API's names become `DecodeOptions.width`. The other
+    family's name is refused, naming it."""
+    other = [name for name, v in given.items() if v is not None and name != family.width_name]
+    if other:
+        raise InputError(f"{family.title} models take {family.width_name}=, not {other[0]}=",
+                         other[0])
+    return given.get(family.width_name)
 
 
 _OPTIONS = [p for p in inspect.signature(decode_options).parameters.values()

@@ -407,15 +407,11 @@ def width_args(p: Parser) -> None:
 
 def width_of(args, family) -> int | None:
     """The width the command line gives (`DecodeOptions.width`), under the loaded family's
-    own flag (`options.width_of` maps the names)."""
-    from .options import width_of as given_width
-    from .validate import InputError
-
-    given = {f.width_name: getattr(args, f.width_name, None) for f in families.FAMILIES.values()}
-    try:
-        return given_width(family, **given)
-    except InputError as e:
-        other = next(f for f in families.FAMILIES.values() if f.width_name == e.param)
-        raise UsageError(f"--{e.param.replace('_', '-')} is for {other.title} models; this "
-                         f"{family.title} model takes --{family.width_name.replace('_', '-')}"
-                         ) from None
+    own flag; another family's flag is a usage error naming both."""
+    for other in families.FAMILIES.values():
+        flag = other.width_name
+        if flag != family.width_name and getattr(args, flag, None) is not None:
+            raise UsageError(f"--{flag.replace('_', '-')} is for {other.title} models; this "
+                             f"{family.title} model takes "
+                             f"--{family.width_name.replace('_', '-')}")
+    return getattr(args, family.width_name, None)

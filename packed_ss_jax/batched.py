@@ -119,7 +119,14 @@ def slot_functions(loop, one: Callable, slots: int, pin: Callable) -> SlotFuncti
         return pin(s.replace(done=jnp.ones(slots, bool)))
 
     def prefill(params, prompts, prompt_len, limits, seeds):
-        return first(params, prompts, prompt_len, limits, jax.vmap(jax.random.PRNGKey)(seeds))
+        keys = jax.vmap(jax.random.PRNGKey)(seeds)
+        if prompts.shape[0] == 1:
+            # One request (a stream's, a server's): its own first call, unbatched. The
+            # batch's any-greedy branch would trace and compile both sides for nothing.
+            s = loop.init(params, prompts[0], prompt_len[0],
+                          jax.tree.map(lambda x: x[0], limits), keys[0])
+            return pin(jax.tree.map(lambda x: x[None], s))
+        return pin(first(params, prompts, prompt_len, limits, keys))
 
     def insert(s, prefix, where):
         put = jax.tree.map(lambda b, x: b.at[where].set(x.astype(b.dtype), mode="drop"),

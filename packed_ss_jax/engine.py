@@ -230,13 +230,14 @@ class Engine:
                        requests + requests[:1] * (rows - len(requests)))
         args = self.place(padded.host_args(), rows)
         exe, _ = self.compile(Key("prefill", padded.program, rows=rows),
-                              self._functions(program, 1).prefill, self.model.params, *args)
+                              self._functions(program, rows).prefill, self.model.params, *args)
         return Prefix(requests, exe(self.model.params, *args))
 
     def adopt(self, prefix: Prefix) -> Any | None:
         """A decode state whose slots are the prefix's rows, in order, when that needs no
-        program (one device, no padding rows): what `insert` into empty slots gives."""
-        if self.mesh is not None or len(prefix.requests) != int(prefix.state.done.shape[0]):
+        program (no padding rows; a prefill's rows are placed as a state of as many slots
+        is): what `insert` into empty slots gives."""
+        if len(prefix.requests) != int(prefix.state.done.shape[0]):
             return None
         return prefix.state
 

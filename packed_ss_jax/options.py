@@ -166,18 +166,6 @@ def _fits(prompt_len: int, max_new: int, cache: int) -> None:
                          "shorten the request or pass a larger cache_size", "max_new_tokens")
 
 
-def width_of(family, **given) -> int | None:
-    """The width given at the public edge (`decode`, `stream`, `decode_continuous`,
-    `decoder`), where each family takes it under its own name (`block_size=` for
-    Nemotron, `window=` for SetDLM): the one place those names become
-    `DecodeOptions.width`. The other family's name is refused, naming it."""
-    other = [name for name, v in given.items() if v is not None and name != family.width_name]
-    if other:
-        raise InputError(f"{family.title} models take {family.width_name}=, not {other[0]}=",
-                         other[0])
-    return given.get(family.width_name)
-
-
 def _choice(value, name: str, choices, where: str = "") -> str:
     if not isinstance(value, str) or value not in choices:
         raise InputError(f"unknown {name} {value!r}{where}; expected one of {sorted(choices)}",
