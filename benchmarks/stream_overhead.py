@@ -1,6 +1,6 @@
 """What streaming costs: wall time of a decode run in chunks of k loop iterations
-(`Engine.stream`: the first call, then `Engine.generate` per launch, the state donated,
-the final tokens read back after each launch) against the same decode in one launch
+(`scheduler.Streaming`: the prefill, then a launch of k iterations at a time, the state
+donated, the final tokens read back after each launch) against the same decode in one launch
 (`Engine.decode`). Interleaved repetitions, medians.
 
     python -m benchmarks.stream_overhead                         # embedded nld-tiny, packed

@@ -242,9 +242,10 @@ def decode(model, prompt: str | Sequence[int] | None = None, *,
     """Decodes `prompt` (text, with the model's tokenizer, or token ids) with one schedule.
 
     A list of prompts (strings or id lists, of any lengths) is decoded as one batch (one
-    prefill, one launch of the loop over every prompt's slot), and gives a list of DecodeResults, one per prompt, each what that prompt
-    decoded alone gives (same tokens, NFE and statistics); `seed` is then one seed for
-    every prompt or a list of one per prompt; `wall_s` is the whole batch's.
+    prefill, one launch of the loop over every prompt's slot), and gives a list of
+    DecodeResults, one per prompt, each what that prompt decoded alone gives (same
+    tokens, NFE and statistics); `seed` is then one seed for every prompt or a list of
+    one per prompt; `wall_s` is the whole batch's.
 
     messages:   instead of a prompt, a chat ([{"role": "user", "content": "..."}, ...])
                 rendered with the checkpoint's chat template and the generation prompt;
@@ -293,7 +294,7 @@ def decode_continuous(model, prompts: Sequence, *, slots: int = 8, every: int = 
                       config: ModelConfig | None = None, **options):
     """Decodes a long list of prompts keeping `slots` sequences busy (continuous
     batching, see continuous.py): as soon as sequences stop, the host refills their
-    slots with the next prompts, in one call (the loop reports back at least every
+    slots with the next prompts, in one prefill (the loop reports back at least every
     `every` iterations). Returns (one DecodeResult per prompt, in order, each what that
     prompt decoded alone gives; `continuous.Stats`, with the host round trips' share of
     wall time). The other arguments are `decode`'s.
@@ -386,6 +387,9 @@ def decoder(model_or_config, **options) -> Callable:
         model = as_model(model_or_config)
     family = families.of(model.config)
     options = decode_options(family, **options)
+    if not (validate.is_int(options.seed) and options.seed == 0):
+        raise InputError("a decoder takes its PRNG key when called, not a seed: pass "
+                         "key=jax.random.PRNGKey(seed)", "seed")
     if options.schedule == planner.AUTO:
         raise InputError("schedule 'auto' chooses per request and device; a decoder is one "
                          "compiled schedule: pass the one `decode(..., schedule='auto')` "

@@ -55,9 +55,9 @@ def step_batch(step: Callable, batch_step: Callable | None = None) -> Callable:
 
 def start_batch(start: Callable, batch_init: Callable | None = None) -> Callable:
     """`start(params, prompt, prompt_len, limits, key)` over a batch: prompts [N, P]
-    (padded to one length), prompt_len [N], limits with a leading N axis, keys [N, ...]. With `batch_init` (a
-    sampled program's `Loop.batch_init`), told unbatched whether any row is greedy, so a
-    batch without greedy rows runs the sampled first call alone."""
+    (padded to one length), prompt_len [N], limits with a leading N axis, keys [N, ...].
+    With `batch_init` (a sampled program's `Loop.batch_init`), told unbatched whether any
+    row is greedy, so a batch without greedy rows runs the sampled first call alone."""
     if batch_init is None:
         return jax.vmap(start, in_axes=(None, 0, 0, 0, 0))
     many = jax.vmap(batch_init, in_axes=(None, 0, 0, 0, 0, None))
@@ -103,8 +103,9 @@ class SlotFunctions(NamedTuple):
 def slot_functions(loop, one: Callable, slots: int, pin: Callable) -> SlotFunctions:
     """The slot contract over `slots` sequences of a family's decode loop (`loop.Loop`);
     `one()` is the shape of one sequence's state (`jax.eval_shape` of `loop.init`: traced
-    only when `empty` is), `pin`
-    constrains a batched state to where it lives on a mesh (the identity on one device).
+    only when `empty` is), `pin` constrains a batched state of `slots` sequences to where
+    it lives on a mesh (the identity on one device); a prefill of `slots` rows is placed
+    so too, ready to be the state.
 
     `generate` runs at most k iterations of every slot and stops early once every slot has
     stopped or, with `eager`, once a slot running at entry has stopped (a queue refills it

@@ -188,6 +188,12 @@ def _where(path: tuple) -> str:
     return str(head) + "".join(f"[{k!r}]" for k in rest)
 
 
+def _param(path: tuple) -> str | None:
+    """The argument an error at `path` is about, where the path names it (a template
+    keyword's); else left to the caller (`validate.about`)."""
+    return "chat_template_kwargs" if path[0] == "chat_template_kwargs" else None
+
+
 def _plain(value, path: tuple, size: list, depth: int = 0):
     """`value` as plain data (text, numbers, None, lists, tuples, dicts: what the template
     process takes), its text valid Unicode; adds the characters of its values to size[0].
@@ -196,7 +202,7 @@ def _plain(value, path: tuple, size: list, depth: int = 0):
     # builtins, so it never imports the modules that define them.
     if isinstance(value, str):
         size[0] += len(value)
-        return validate.text(str.__str__(value), _where(path))
+        return validate.text(str.__str__(value), _where(path), _param(path))
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, numbers.Integral):
@@ -204,7 +210,8 @@ def _plain(value, path: tuple, size: list, depth: int = 0):
     if isinstance(value, numbers.Real):
         return float(value)
     if depth >= MAX_DEPTH and isinstance(value, (Mapping, list, tuple)):
-        raise InputError(f"{_where(path)} is nested more than {MAX_DEPTH} levels deep")
+        raise InputError(f"{_where(path)} is nested more than {MAX_DEPTH} levels deep",
+                         _param(path))
     if isinstance(value, Mapping):
         # Keys are checked, not counted: the size bounds the text a template is given.
         return {_plain(k, path + (k,), [0], depth + 1): _plain(v, path + (k,), size, depth + 1)
@@ -213,7 +220,7 @@ def _plain(value, path: tuple, size: list, depth: int = 0):
         items = (_plain(v, path + (i,), size, depth + 1) for i, v in enumerate(value))
         return tuple(items) if isinstance(value, tuple) else list(items)
     raise InputTypeError(f"{_where(path)} must be text, a number, a list or a dict for the "
-                         f"chat template, got {type(value).__name__}")
+                         f"chat template, got {type(value).__name__}", _param(path))
 
 
 def _token_text(value):

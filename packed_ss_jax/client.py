@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from . import api, memory, programs, scoring, validate
+from . import api, memory, programs, scoring
 from .chunks import Chunker, StreamChunk
 from .engine import Engine
 from .options import DecodeOptions, Program, Request, bucket_for, on_sampled_program
@@ -113,8 +113,9 @@ def choose_auto(model, width: dict | None, max_model_len: int, slots: int):
 
 
 class EngineClient:
-    """The engine as a server sees it: `check` a request's options into its choices'
-    requests, `submit` a Job, `abort_all`, and the gauges and events of its metrics."""
+    """The engine as a server sees it: `check` a prompt and its options into a Request,
+    `submit` a Job, `abort_all`, the gauges (`queued`, `busy_slots`), and an `observer`
+    told of first tokens and ended requests (the server's metrics)."""
 
     def __init__(self, model, defaults: dict, slots: int = DEFAULT_SLOTS,
                  steps: int = DEFAULT_STEPS):
@@ -182,7 +183,9 @@ class EngineClient:
         for n in scored:   # logprobs and echo: prompt and output scored (scoring.py)
             scoring.score(e, [1] * n)
         s = self.scheduler = Scheduler(e, self.program, self.slots)
-        for b in buckets:
+        # The first admit into an empty state may adopt the prefill's state: the first
+        # bucket comes twice, so that an insert is compiled however many buckets there are.
+        for b in buckets[:1] + buckets:
             request = e.request([1] * min(b, self.capacity - 1), self._options())
             s.admit([self.seated(request)], [None])
             s.release([(0, False)])
@@ -195,11 +198,6 @@ class EngineClient:
         """The checked request of one prompt's ids and options on this server's schedule,
         width and capacity (api.check; no JAX work)."""
         return api.check(self.model, prompt, dataclasses.replace(options, **self.defaults))
-
-    def prompt_ids(self, prompt) -> list[int]:
-        """A prompt's ids: text through the tokenizer, or ids checked against the
-        vocabulary."""
-        return [int(i) for i in validate.prompt_ids(self.model, prompt)]
 
     def start(self) -> None:
         self.thread.start()
@@ -263,14 +261,20 @@ class EngineClient:
         for job, i in self.waiting:
             if job.cancelled.is_set():
                 self._drop(job)
+            elif job.finished:   # another of its choices failed
+                continue
             elif job.score is not None and job.score.only:
                 self._score_only(job, i)
             elif not self.scheduler.free():
                 still.append((job, i))
             else:
                 request = self.seated(job.choices[i])
-                chunker = Chunker(getattr(self.model, "tokenizer", None), request.stop_texts)
-                self.scheduler.admit([request], [Choice(job, i, chunker)])
+                choice = Choice(job, i, Chunker(getattr(self.model, "tokenizer", None),
+                                                request.stop_texts))
+                try:
+                    self.scheduler.admit([request], [choice])
+                except Exception as error:  # reported to that request; the others go on
+                    self._close(choice, error)
         self.waiting = still
 
     def _score_only(self, job: Job, index: int) -> None:
@@ -318,9 +322,11 @@ class EngineClient:
                     ending.append((u.slot, False))
                     continue
                 self._put(choice, chunk, scores)
-        if ending:
-            for ended in self.scheduler.release(ending):
+        for ended in self.scheduler.release(ending):
+            try:
                 self._finish(ended)
+            except Exception as error:  # that request hears of it; the others still end
+                self._close(ended.seat.tag, error)
 
     def _finish(self, ended: Ended) -> None:
         choice = ended.seat.tag

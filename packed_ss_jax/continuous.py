@@ -30,7 +30,8 @@ from .scheduler import Scheduler
 class Stats:
     wall_s: float          # the whole queue, first call to last result (compiling excluded)
     loop_s: float          # in the batched loop program, launch to its results on the host
-    refill_s: float        # in the refill programs (the new prompts' first calls), the same
+    refill_s: float        # taking the stopped slots out and refilling them (outcome,
+                           # prefill, insert), the same
     round_trips: int       # times the loop handed control back to the host
     refills: int           # prompts started in a refill (not in the first batch)
     steps: int             # batched loop iterations (each one step of every running slot)

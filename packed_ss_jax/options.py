@@ -117,10 +117,10 @@ class DecodeOptions:
             limits, texts = stops.of_request(tokenizer, config.vocab_size, max_new, eos,
                                              self.stop_sequences)
         need = None if prompt_len is None else max(prompt_len + max_new, width)
-        capacity = _cache_size(self.cache_size, config, block=width,
-                                       block_name=family.width_name,
-                                       default=DEFAULT_CACHE_SIZE if need is None else
-                                       capacity_for(need))
+        capacity = _cache_size(self.cache_size, config, width=width,
+                               width_name=family.width_name,
+                               default=DEFAULT_CACHE_SIZE if need is None else
+                               capacity_for(need))
         if prompt_len is not None:
             _fits(prompt_len, max_new, capacity)
         program = Program(family.name, shape, 0, capacity, sampler.sampling, self.order)
@@ -145,17 +145,18 @@ def _eos_id(value, config, vocab: int) -> int | None:
     return int(value)
 
 
-def _cache_size(value, config, *, block: int, block_name: str, default: int) -> int:
-    """KV slots (None: `default`), at least one block (`block` rows under `block_name`)."""
+def _cache_size(value, config, *, width: int, width_name: str, default: int) -> int:
+    """KV slots (None: `default`), at least one block (`width` rows, the argument
+    `width_name`)."""
     if value is None:
         value = min(default, getattr(config, "max_position_embeddings", default))
     value = validate.integer(value, "cache_size", 1)
     if value > MAX_CACHE:
         raise InputError(f"cache_size {value} is too large (at most {MAX_CACHE}: positions "
                          "are int32)", "cache_size")
-    if block > value:
-        raise InputError(f"{block_name} {block} does not fit the cache ({value} slots): use "
-                         f"{block_name} <= {value} or a larger cache_size", "cache_size")
+    if width > value:
+        raise InputError(f"{width_name} {width} does not fit the cache ({value} slots): use "
+                         f"{width_name} <= {value} or a larger cache_size", "cache_size")
     return value
 
 

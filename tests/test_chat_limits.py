@@ -232,6 +232,16 @@ def test_template_data_must_be_plain():
         nested = [nested]
     with pytest.raises(ps.InputError, match=f"nested more than {chat.MAX_DEPTH} levels deep"):
         QWEN3.render(MESSAGES, deep=nested)
+    # Each error names the argument that holds the value (a server's 400 names the field).
+    for kwargs, param in [({"deep": nested}, "chat_template_kwargs"),
+                          ({"when": object()}, "chat_template_kwargs"),
+                          ({"x": "\ud800"}, "chat_template_kwargs")]:
+        with pytest.raises(ps.InputError) as e:
+            QWEN3.render(MESSAGES, **kwargs)
+        assert e.value.param == param
+    with pytest.raises(ps.InputError) as e:
+        QWEN3.render([{"role": "user", "content": nested}])
+    assert e.value.param is None   # left to the caller: api.chat_prompt says "messages"
     with pytest.raises(ps.InputError, match=r"hold 12 characters, more than the chat "
                        r"template may render \(10\)"):
         hostile("{{ messages }}", max_chars=10).render([{"role": "user", "content": "a" * 8}])

@@ -122,10 +122,10 @@ def test_temperature_and_top_p_share_one_sampled_program(family, compiles):
 def test_the_process_holds_at_most_max_programs(monkeypatch):
     """Every engine's programs count toward one bound; past it the least recently used
     program of any engine goes, and is compiled again when asked for."""
-    from packed_ss_jax import programs as engine_lib
+    from packed_ss_jax import programs
 
     monkeypatch.setenv("PACKED_SS_MAX_PROGRAMS", "2")
-    monkeypatch.setattr(engine_lib, "_floor", 0)   # a server of this process may have raised it
+    monkeypatch.setattr(programs, "_floor", 0)   # a server of this process may have raised it
     a, b = ps.Engine(tiny_model(0)), ps.Engine(tiny_model(1))
     options_ = ps.DecodeOptions(schedule="ar", max_new_tokens=3)
 
@@ -142,12 +142,12 @@ def test_the_process_holds_at_most_max_programs(monkeypatch):
     assert decode(a, 3).compile_s == 0.0
     assert decode(b, 3).compile_s > 0          # compiled again
     assert len(a.executables()) + len(b.executables()) == 2
-    engine_lib.clear_programs()
+    programs.clear_programs()
     assert a.executables() == b.executables() == {}
     assert decode(a, 3).compile_s > 0
     monkeypatch.setenv("PACKED_SS_MAX_PROGRAMS", "many")
     with pytest.raises(ValueError, match="PACKED_SS_MAX_PROGRAMS must be a positive integer"):
-        engine_lib.max_programs()
+        programs.max_programs()
     monkeypatch.setenv("PACKED_SS_MAX_PROGRAMS", "2")
-    engine_lib.keep_at_least(5)   # a server holding every program it compiled at startup
-    assert engine_lib.max_programs() == 5
+    programs.keep_at_least(5)   # a server holding every program it compiled at startup
+    assert programs.max_programs() == 5

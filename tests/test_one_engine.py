@@ -191,3 +191,8 @@ def test_decoder_checks_its_inputs():
             model.params, jnp.zeros(4, jnp.int32), 2, None)
     with pytest.raises(ValueError, match="block_size must be an integer >= 2"):
         ps.decoder(model.config, block_size=1)
+    # Its key is its argument: a seed in the options would be ignored, so it is refused.
+    with pytest.raises(ps.InputError, match="takes its PRNG key when called") as e:
+        ps.decoder(model, options=ps.DecodeOptions(width=4, seed=5))
+    assert e.value.param == "seed"
+    ps.decoder(model, options=ps.DecodeOptions(width=4, seed=0))

@@ -466,3 +466,31 @@ def _answer(client, name: str, prompt: str, asked: dict):
     except openai.BadRequestError as e:
         return 400, e.message
     return 200, r.model_extra["packed_ss"]["token_ids"]
+
+
+def test_a_request_that_fails_to_start_hears_of_it_and_the_others_go_on(client, app, base):
+    """A request whose prefill fails (here: made to raise) gets an error answer once; the
+    requests beside it and after it are served, and no slot is lost."""
+    decoder = app.app.state.decoder
+    admit = decoder.scheduler.admit
+
+    def failing(requests, tags, *args, **kw):
+        if list(requests[0].prompt[:3]) == [1, 5, 7]:
+            raise RuntimeError("out of device memory (made up)")
+        return admit(requests, tags, *args, **kw)
+
+    decoder.scheduler.admit = failing
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            bad = pool.submit(request, base, "POST", "/v1/completions",
+                              {"model": "nld-tiny", "prompt": [1, 5, 7], "max_tokens": 4})
+            good = [pool.submit(_ask, client, i, False) for i in range(2)]
+            status, body = bad.result(timeout=60)[:2]
+            assert status == 500 and "out of device memory" in json.dumps(body)
+            for i, g in enumerate(good):
+                want = _alone(_question(i), _asked(i))
+                assert g.result(timeout=60) == (want.tokens, want.text)
+    finally:
+        del decoder.scheduler.admit
+    _until(lambda: decoder.busy_slots == 0 and decoder.queued == 0)
+    assert _ask(client, 0, False)[0] == _alone(_question(0), _asked(0)).tokens

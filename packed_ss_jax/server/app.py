@@ -14,7 +14,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import chat, client as client_lib
+from .. import api, chat, client as client_lib
 from ..client import Draining, EngineClient, Job
 from . import errors, formats
 from .errors import APIError, Scrubber
@@ -159,10 +159,10 @@ class Service:
     async def detokenize(self, body: DetokenizeBody):
         self._check_model(body)
         try:
-            ids = self.decoder.prompt_ids(body.tokens)
-        except client_lib.InputError as e:
+            ids = api.prompt_ids(self.decoder.model, body.tokens)
+        except api.InputError as e:
             raise APIError(400, str(e), param="tokens") from None
-        return {"prompt": self.decode([int(i) for i in ids])}
+        return {"prompt": self.decode(ids)}
 
     def _card(self) -> dict:
         return {"id": self.name, "object": "model", "created": self.created,
