@@ -161,9 +161,9 @@ def run(model, prompts, schedules, widths, *, capacity: int, temperature=0.0, se
     its own seed, so its tokens are those decoded alone. `batching="continuous"` (the
     default) keeps N slots busy over the queue, refilling a slot as soon as its sequence
     stops (`api.decode_continuous`); `"static"` decodes consecutive groups of N
-    (`batches`), each a prefill and one launch run until its last sequence stops. The wall time (and
-    model time) of a batch or queue is shared equally by its responses, so sums over
-    prompts are totals; `calls` is each response's share of its batch's or queue's
+    (`batches`), each a prefill and one launch run until its last sequence stops. The
+    wall time (and model time) of a batch or queue is shared equally by its responses,
+    so sums over prompts are totals; `calls` is each response's share of its batch's or queue's
     batched forward calls.
     """
     _check_run(prompts, repeats, samples, batch_size, batching, split)
