@@ -265,7 +265,7 @@ class EngineClient:
                 continue
             elif job.score is not None and job.score.only:
                 self._score_only(job, i)
-            elif not self.scheduler.free():
+            elif not self.scheduler.free:
                 still.append((job, i))
             else:
                 request = self.seated(job.choices[i])

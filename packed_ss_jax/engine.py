@@ -58,6 +58,21 @@ def seeded(run: Callable) -> Callable:
         params, prompt, prompt_len, limits, jax.random.PRNGKey(seed))
 
 
+def arguments(request: Request, bucket: int | None = None) -> tuple:
+    """A one-request program's arguments after params (see `seeded`), as numpy arrays: the
+    prompt padded to `bucket` (default the program's), its length, the limits, the seed."""
+    padded = np.zeros(request.program.bucket if bucket is None else bucket, np.int32)
+    padded[: len(request.prompt)] = request.prompt
+    return (padded, np.int32(len(request.prompt)), request.limits, np.uint32(request.seed))
+
+
+def batch_arguments(requests, bucket: int) -> tuple:
+    """The arguments of `requests` decoded together: each of `arguments`, stacked on a
+    leading axis (rows of them are the arguments of a sub-batch)."""
+    return jax.tree.map(lambda *x: np.stack([np.asarray(a) for a in x]),
+                        *[arguments(r, bucket) for r in requests])
+
+
 def to_host(out):
     """Device arrays as host arrays. With several processes (jax.distributed), an array
     split over devices of other processes is gathered, so every process reads all of it."""
@@ -171,14 +186,14 @@ class Engine:
         exe = self._programs.used(key)
         if exe is not None:
             return exe, 0.0
-        args = self.place(request.host_args()) if args is None else args
+        args = self.place(arguments(request)) if args is None else args
         return self.compile(key, seeded(self.loop(request.program).run), self.model.params,
                             *args)
 
     def decode(self, request: Request) -> DecodeResult:
         """Decodes one checked request: compile (once), run, synchronise, read the outcome
         (NonFiniteError if the loop met NaN/Inf logits)."""
-        args = self.place(request.host_args())
+        args = self.place(arguments(request))
         exe, compile_s = self.compiled(request, args)
         t0 = time.perf_counter()
         out = jax.block_until_ready(exe(self.model.params, *args))
@@ -192,8 +207,7 @@ class Engine:
         if shape not in self._slot_fns:
             loop = self.loop(program)
             program = dataclasses.replace(program, bucket=max(program.bucket, 1))
-            args = Request(program, np.zeros(1, np.int32), self._any_limits(), 0,
-                           1).host_args()
+            args = arguments(Request(program, np.zeros(1, np.int32), self._any_limits(), 0, 1))
 
             def one():
                 return jax.eval_shape(seeded(loop.init), self.model.params,
@@ -226,10 +240,10 @@ class Engine:
         program = requests[0].program
         rows = len(requests) if rows is None else rows
         bucket = program.bucket if bucket is None else bucket
-        padded = Batch(dataclasses.replace(program, bucket=bucket),
-                       requests + requests[:1] * (rows - len(requests)))
-        args = self.place(padded.host_args(), rows)
-        exe, _ = self.compile(Key("prefill", padded.program, rows=rows),
+        args = self.place(batch_arguments(requests + requests[:1] * (rows - len(requests)),
+                                          bucket), rows)
+        exe, _ = self.compile(Key("prefill", dataclasses.replace(program, bucket=bucket),
+                                  rows=rows),
                               self._functions(program, rows).prefill, self.model.params, *args)
         return Prefix(requests, exe(self.model.params, *args))
 

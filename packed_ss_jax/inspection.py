@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import jax
 
-from .engine import Engine, seeded
+from .engine import Engine, arguments, seeded
 from .options import Request
 from .programs import Key
 
@@ -16,7 +16,7 @@ def lower(engine: Engine, request: Request):
     `jax.ShapeDtypeStruct`s to read a real-size program's HLO, cost and memory without
     allocating any weight."""
     run = seeded(engine.loop(request.program).run)
-    return jax.jit(run).lower(engine.model.params, *request.args())
+    return jax.jit(run).lower(engine.model.params, *arguments(request))
 
 
 def forward(engine: Engine, tokens, positions, mask, draft_rows):

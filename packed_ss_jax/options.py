@@ -4,9 +4,9 @@
 length, stops, cache, seed). `DecodeOptions.check(family, config)` checks every option
 once, against the family and the config, into the `Program` (everything a compiled
 decode is specialised on) and the traced limits; `request` / `batch` add the prompt(s)
-and give a `Request` / `Batch`: the program and the traced arguments (the padded prompt,
-its length, the family's limits with the sampling values, the seed). Nothing is compiled
-or run here.
+and give a `Request` / `Batch`: the program and what its traced arguments are made of
+(the prompt, the family's limits with the sampling values, the seed). Nothing is
+compiled or run here.
 
 One sizing rule serves every path (`capacity_for`, `bucket_for`): the cache is the
 request's tokens rounded up to a power of two, the prompt padded to a power of two, so
@@ -19,14 +19,12 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from . import memory, sampling, stops, validate
+from . import memory, stops, validate
 from .sampling import Sampler, Sampling
 from .shape import Shape
-from .validate import MAX_CACHE, InputError, InputTypeError
+from .validate import MAX_CACHE, InputError
 
 MIN_BUCKET = 16
 MIN_CAPACITY = 128
@@ -124,25 +122,27 @@ class DecodeOptions:
         if prompt_len is not None:
             _fits(prompt_len, max_new, capacity)
         program = Program(family.name, shape, 0, capacity, sampler.sampling, self.order)
-        return Checked(program, {**limits, **sampling.traced_values(sampler)}, max_new, texts)
+        return Checked(program, {**limits, **sampler.traced}, max_new, texts)
 
 
 def _eos_id(value, config, vocab: int) -> int | None:
     """-1 (the config's EOS), None (no EOS stop) or a token id."""
     if value is None:
         return None
-    if validate.is_int(value) and value == -1:
+    try:
+        value = validate.integer(value, "eos_id", -1)
+    except InputError as e:
+        raise type(e)(f"eos_id must be a token id, -1 (the config's EOS) or None, got "
+                      f"{value!r}", "eos_id") from None
+    if value == -1:
         value = getattr(config, "eos_token_id", None)
         if value is not None and not 0 <= value < vocab:
             raise InputError(f"the config's eos_token_id {value} is outside the vocabulary "
                              f"[0, {vocab}); pass eos_id=None or a valid id", "eos_id")
         return value
-    if not validate.is_int(value):
-        raise InputTypeError(f"eos_id must be a token id, -1 (the config's EOS) or None, "
-                             f"got {value!r}", "eos_id")
-    if not 0 <= value < vocab:
+    if value >= vocab:
         raise InputError(f"eos_id {value} is outside the vocabulary [0, {vocab})", "eos_id")
-    return int(value)
+    return value
 
 
 def _cache_size(value, config, *, width: int, width_name: str, default: int) -> int:
@@ -222,17 +222,6 @@ class Request:
     stop_texts: tuple[str, ...] = ()   # stops given as text, searched for on the host
     auto: dict | None = None   # schedule "auto": its choice (planner.Choice.summary)
 
-    def host_args(self, seed=None) -> tuple:
-        """The program's arguments after params, as numpy arrays: the padded prompt,
-        prompt_len, the limits, the seed."""
-        padded = np.zeros(self.program.bucket, np.int32)
-        padded[: len(self.prompt)] = self.prompt
-        return (padded, np.int32(len(self.prompt)), self.limits,
-                np.uint32(self.seed if seed is None else seed))
-
-    def args(self, seed=None) -> tuple:
-        return jax.tree.map(jnp.asarray, self.host_args(seed))
-
 
 @dataclasses.dataclass(frozen=True)
 class Batch:
@@ -242,22 +231,6 @@ class Batch:
 
     program: Program
     members: tuple[Request, ...]
-
-    def host_args(self) -> tuple:
-        """The batched program's arguments after params, as numpy arrays: padded prompts
-        [N, bucket], their prompt_len [N], the limits stacked on a leading N axis, seeds
-        [N] (rows of them are the arguments of a sub-batch)."""
-        rs = self.members
-        padded = np.zeros((len(rs), self.program.bucket), np.int32)
-        for i, r in enumerate(rs):
-            padded[i, : len(r.prompt)] = r.prompt
-        limits = jax.tree.map(lambda *x: np.stack([np.asarray(a) for a in x]),
-                              *[r.limits for r in rs])
-        return (padded, np.asarray([len(r.prompt) for r in rs], np.int32), limits,
-                np.asarray([r.seed for r in rs], np.uint32))
-
-    def args(self) -> tuple:
-        return jax.tree.map(jnp.asarray, self.host_args())
 
 
 def on_sampled_program(request: Request) -> Request:

@@ -88,6 +88,13 @@ class Sampler:
         return Sampling(False, self.top_k)
 
     @property
+    def traced(self) -> dict:
+        """The data part: the values a sampled program takes as arguments (float32, as the
+        program holds them), the temperature and top-p (1 when top-p does not truncate)."""
+        return {"temperature": np.float32(self.temperature),
+                "top_p": np.float32(1.0 if self.top_p is None else self.top_p)}
+
+    @property
     def argmax(self):
         """Whether this sampled program decodes greedily (traced: temperature == 0)."""
         return self.temperature == 0
@@ -122,13 +129,6 @@ def batch_plan(sampler: Sampler, live):
     whole = jnp.all(greedy | (sampler.top_p >= 1))
     return jnp.where(jnp.all(greedy), PLANS.index("argmax"),
                      jnp.where(whole, PLANS.index("whole"), PLANS.index("mixed")))
-
-
-def traced_values(s: Sampler) -> dict:
-    """The values a sampled program takes as data (float32, as the program holds them):
-    the temperature and top-p (1 when top-p does not truncate)."""
-    return {"temperature": np.float32(s.temperature),
-            "top_p": np.float32(1.0 if s.top_p is None else s.top_p)}
 
 
 @flax.struct.dataclass

@@ -81,6 +81,7 @@ class Scheduler:
     def state(self, value) -> None:
         self._state = value
 
+    @property
     def free(self) -> list[int]:
         return [i for i, s in enumerate(self.seats) if s is None]
 
@@ -92,7 +93,7 @@ class Scheduler:
               bucket: int | None = None) -> Prefix:
         """The first calls of `requests` (at most as many as free slots), in one prefill
         (`rows`, `bucket`: Engine.prefill's), written into the lowest free slots."""
-        where = self.free()[: len(requests)]
+        where = self.free[: len(requests)]
         if len(where) < len(requests):
             raise ValueError(f"{len(requests)} requests for {len(where)} free slots")
         prefix = self.engine.prefill(requests, rows, bucket)

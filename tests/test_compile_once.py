@@ -7,7 +7,7 @@ import pytest
 
 import packed_ss_jax as ps
 from packed_ss_jax import options
-from packed_ss_jax.engine import to_host
+from packed_ss_jax.engine import arguments, to_host
 from packed_ss_jax.programs import Key
 from test_setdlm_decode import tiny_setdlm
 from tiny import tiny_model
@@ -53,7 +53,7 @@ def test_second_decode_does_not_recompile(schedule, compiles):
     # argument, so it runs them as it is, and gives their own decode.
     other = tiny_model(1)
     exe = engine.executables()[Key("decode", request.program)]
-    out = to_host(exe(other.params, *request.args()))
+    out = to_host(exe(other.params, *arguments(request)))
     assert compiles == []
     want = ps.Engine(other).decode(request)
     assert np.asarray(out["tokens"])[: int(out["n_tokens"])].tolist() == want.tokens
