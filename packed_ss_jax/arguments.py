@@ -241,8 +241,10 @@ def coordinator(value: str) -> str:
 def model_args(p: Parser) -> None:
     """The checkpoint arguments every command that loads a model takes."""
     p.add_argument("--model", default=None,
-                   help="Hugging Face or converted checkpoint directory, or the name of an "
-                        "embedded model (default: the embedded nld-tiny)")
+                   help="Hugging Face or converted checkpoint directory, the name of an "
+                        "embedded model, or a Hugging Face hub id ORG/NAME[@REVISION], "
+                        "fetched through the hub's cache (HF_HUB_OFFLINE=1: the cache only) "
+                        "(default: the embedded nld-tiny)")
     p.add_argument("--base-config", default=None,
                    help="SetDLM: the base (Qwen3) model's config.json, for checkpoints whose "
                         "config.json only names their backbone")
@@ -365,15 +367,17 @@ def load_model(args, lora: bool | None = None):
     `lora` as `loading.load` takes it (None: the draft-only adapter if the checkpoint has one)."""
     from . import loading
     from .compile_cache import OFF, set_compile_cache
+    from .hub import is_hub_name
 
     if args.compile_cache is not None:
         off = args.compile_cache.strip().lower() in OFF
         set_compile_cache(None if off else args.compile_cache)
 
     if args.model is not None and not Path(args.model).exists() \
-            and args.model not in loading.embedded_models():
+            and args.model not in loading.embedded_models() and not is_hub_name(args.model):
         raise FileNotFoundError(f"--model {args.model}: no such directory (embedded models: "
-                                f"{', '.join(loading.embedded_models())})")
+                                f"{', '.join(loading.embedded_models())}; a Hugging Face hub "
+                                "checkpoint is named ORG/NAME or ORG/NAME@REVISION)")
     distributed(args)
     mesh = None
     if getattr(args, "mesh", None) is not None:

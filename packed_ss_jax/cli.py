@@ -27,7 +27,8 @@ def _convert(argv: list[str] | None, prog: str, family: str | None = None) -> in
         description="Convert a Hugging Face checkpoint directory (Nemotron-Labs-Diffusion: "
                     "config.json + safetensors, optional linear_spec_lora/; SetDLM: "
                     "config.json + pytorch_model.bin or safetensors) to orbax params.")
-    p.add_argument("src", help="Hugging Face checkpoint directory")
+    p.add_argument("src", help="Hugging Face checkpoint directory, or a hub id "
+                               "ORG/NAME[@REVISION] (fetched through the hub's cache)")
     p.add_argument("dst", help="output directory (must not exist unless --overwrite)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="stored param dtype (default bfloat16; float32 for CPU parity work)")
@@ -63,8 +64,9 @@ def convert_main(argv: list[str] | None = None, prog: str = "packed-ss-convert",
 def _require_family(src: str, family, prog: str) -> None:
     """Refuses a source whose config.json names another model type than `family`'s."""
     from .config import read_hf_config
+    from .loading import resolve
 
-    model_type = read_hf_config(src).get("model_type")
+    model_type = read_hf_config(resolve(src)).get("model_type")
     if model_type != family.model_type:
         raise UsageError(f"{src} is not a {family.title} checkpoint (its config.json says "
                          f"model_type {model_type!r}, not {family.model_type!r}): {prog} "
@@ -366,23 +368,35 @@ def _serving_app(args, limits):
                          f"context of {context} tokens")
     if args.schedule == "auto":
         _auto_progress(model)
-    print("compiling the server's programs ...", file=sys.stderr, flush=True)
     shape = {} if width is None else {"width": width}   # DecodeOptions' fields
     if args.branches is not None:
         shape["branches"] = args.branches
     app = create_app(model, name, schedule=args.schedule, limits=limits, width=shape or None,
                      max_model_len=args.max_model_len, slots=args.max_num_seqs,
-                     steps=args.steps_per_launch, max_queue=args.max_queue)
+                     steps=args.steps_per_launch, max_queue=args.max_queue, warm=False,
+                     on_ready=lambda error: _ready(app, error))
     d = app.app.state.decoder
     if args.schedule == "auto":
         auto = app.app.state.auto
         print(f"auto chose {auto['label']} for {auto['sequences']} slots (predicted "
               f"{auto['predicted_tokens_per_s']:.0f} tokens/s)", file=sys.stderr, flush=True)
-    served = "greedy and sampled" if d.sampled else "greedy (the schedule does not sample)"
-    print(f"ready in {d.warm_s:.1f} s: {d.programs} programs for {d.slots} slots, "
-          f"{served} requests of up to {d.capacity} tokens",
-          file=sys.stderr, flush=True)
+    print(f"making {d.programs} programs ready (compiled, or read from disk); /health "
+          "answers 503 until they are", file=sys.stderr, flush=True)
     return app, name
+
+
+def _ready(app, error: BaseException | None) -> None:
+    """Tells stderr that the server's programs are ready (or why they are not: the server
+    then stops, and `packed-ss serve` exits with status 2)."""
+    d = app.app.state.decoder
+    if error is not None:
+        print(f"packed-ss serve: error: the server's programs could not be made ready: "
+              f"{type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        return
+    served = "greedy and sampled" if d.sampled else "greedy (the schedule does not sample)"
+    loaded = f" ({d.loaded} read from disk)" if d.loaded else ""
+    print(f"ready in {d.warm_s:.1f} s: {d.programs} programs{loaded} for {d.slots} slots, "
+          f"{served} requests of up to {d.capacity} tokens", file=sys.stderr, flush=True)
 
 
 def _listen(host: str, port: int):
@@ -440,7 +454,7 @@ def _serve(argv: list[str] | None, prog: str) -> int:
     print(f"{prog}: stopped", file=sys.stderr, flush=True)
     if not ended:  # a compile or a tokenizer run cannot be interrupted: leave without it
         _exit_now()
-    return 0
+    return 0 if app.app.state.decoder.failed is None else 2
 
 
 def serve_main(argv: list[str] | None = None, prog: str = "packed-ss serve") -> int:
@@ -460,7 +474,24 @@ USAGE = ("usage: packed-ss {generate,convert,bench,serve} ...\n\n"
          "             Packed-SS, SetDLM's native decoder)\n"
          "  convert    convert a Hugging Face checkpoint to orbax params\n"
          "  bench      measure schedules on a task (tokens/NFE, throughput, CIs)\n"
-         "  serve      an OpenAI-compatible HTTP server (completions, chat, streaming)")
+         "  serve      an OpenAI-compatible HTTP server (completions, chat, streaming)\n\n"
+         "  --version  this package's version, with jax's and jaxlib's")
+
+
+def version() -> str:
+    """`packed-ss --version`: read from the installed packages' metadata, so that asking
+    costs no import of JAX."""
+    from importlib import metadata
+
+    from . import __version__
+
+    def of(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return f"packed-ss {__version__} (jax {of('jax')}, jaxlib {of('jaxlib')})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -468,6 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stderr)
         return 0 if argv else 2
+    if argv[0] == "--version":
+        print(version())
+        return 0
     if argv[0] not in COMMANDS:
         print(f"packed-ss: error: unknown command {argv[0]!r}; expected one of "
               f"{', '.join(COMMANDS)} (see packed-ss --help)", file=sys.stderr)

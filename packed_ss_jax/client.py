@@ -6,8 +6,9 @@ every request on the schedule's sampled program (a greedy request is one at temp
 0, decoded as data), so requests differ only in their prompt bucket and in data: one
 decode state of `slots` slots, every running slot advancing in the same launch. (SetDLM's
 native decoder and its confidence order decode greedily only: they serve on their
-greedy program and refuse sampled requests.) `warm` compiles, or reads from the
-persistent compilation cache, every program a request can need: no request compiles.
+greedy program and refuse sampled requests.) `warm` compiles, or reads from disk, every
+program a request can need, so no request compiles: before the server listens, or (a
+client `start`ed cold) first thing on the decoder thread, while requests queue up.
 
 The decoder thread loops: admit waiting requests into free slots (a prefill each);
 launch `steps` iterations; hand each slot's newly final ids to its request's `Chunker`
@@ -23,6 +24,7 @@ import dataclasses
 import queue
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -134,6 +136,13 @@ class EngineClient:
         self.observer = Observer()
         self.warm_s = 0.0
         self.programs = 0
+        self.loaded = 0   # programs read from disk by `warm`
+        self.ready = threading.Event()   # set once `warm` has ended well
+        self.settled = threading.Event()   # set once `warm` has ended, well or not
+        self.failed: BaseException | None = None   # why `warm` failed on the decoder thread
+        # Told on the decoder thread when a warm-up there ends (None: ready; else its error).
+        self.on_ready: Callable[[BaseException | None], None] = lambda error: None
+        self._plan: tuple[list[int], list[int]] | None = None
 
     @property
     def label(self) -> str:
@@ -168,21 +177,37 @@ class EngineClient:
         lengths.append(self.capacity - 1)
         return sorted({bucket_for(x, self.capacity) for x in lengths if x >= 1})
 
-    def warm(self) -> None:
-        """Compiles (or reads from the persistent cache) every program a request can need,
-        by running each once: the first call at every bucket into a slot, taken out, a
-        launch, and the scoring forward at every length bucket. Refuses, before
-        allocating, a state that cannot fit in memory."""
+    def plan(self) -> None:
+        """What `warm` readies, counted (`programs`), and refused, before anything is
+        allocated or compiled, when a state of it cannot fit in memory."""
         buckets, e = self.buckets(), self.engine
         scored = sorted({min(b, self.capacity) for b in buckets} | {self.capacity})
         self.programs = len(buckets) + len(_PER_STATE) + len(scored)
         programs.keep_at_least(self.programs + 8)
         memory.check(e.model, dataclasses.replace(self.program, bucket=buckets[-1]),
                      self.capacity, self.slots, "a smaller --max-model-len or --max-num-seqs")
+        self._plan = buckets, scored
+
+    def warm(self) -> None:
+        """Readies every program a request can need (Engine.warm): those kept on disk are
+        read, on several threads; the rest are compiled by running each once (the first
+        call at every bucket into a slot, taken out, a launch, and the scoring forward at
+        every length bucket)."""
+        if self._plan is None:
+            self.plan()
+        buckets, scored = self._plan
         t0 = time.perf_counter()
+        self.scheduler = Scheduler(self.engine, self.program, self.slots)
+        label = repr(("server", self.program, self.slots, self.steps, buckets, scored))
+        self.loaded, _ = self.engine.warm(label, lambda: self._run_each(buckets, scored))
+        self.warm_s = time.perf_counter() - t0
+        self.ready.set()
+        self.settled.set()
+
+    def _run_each(self, buckets: list[int], scored: list[int]) -> None:
+        e, s = self.engine, self.scheduler
         for n in scored:   # logprobs and echo: prompt and output scored (scoring.py)
             scoring.score(e, [1] * n)
-        s = self.scheduler = Scheduler(e, self.program, self.slots)
         # The first admit into an empty state may adopt the prefill's state: the first
         # bucket comes twice, so that an insert is compiled however many buckets there are.
         for b in buckets[:1] + buckets:
@@ -190,7 +215,6 @@ class EngineClient:
             s.admit([self.seated(request)], [None])
             s.release([(0, False)])
         s.updates(s.launch(self.steps))
-        self.warm_s = time.perf_counter() - t0
 
     # --- the event loop's side ---------------------------------------------------------
 
@@ -231,6 +255,8 @@ class EngineClient:
     # --- the decoder thread ------------------------------------------------------------
 
     def _work(self) -> None:
+        if not self.ready.is_set() and not self._warm_here():
+            return
         while self._take(block=not self.busy_slots and not self.waiting):
             try:
                 self._admit()
@@ -238,6 +264,22 @@ class EngineClient:
                     self._launch()
             except Exception as e:  # a bug: every request in a slot hears of it
                 self._fail_all(e)
+
+    def _warm_here(self) -> bool:
+        """`warm` on the decoder thread (a client started cold); False if it failed: then
+        every request submitted so far ends with the error `on_ready` is told of."""
+        try:
+            self.warm()
+        except Exception as e:
+            self.failed = e
+            self.settled.set()
+        self.on_ready(self.failed)
+        return self.failed is None
+
+    def abort_all_soon(self, error: Exception) -> None:
+        """`abort_all` from another thread than the event loop's."""
+        for job in list(self.live):
+            job.loop.call_soon_threadsafe(job.abort, error)
 
     def _take(self, block: bool) -> bool:
         """Moves submitted jobs to the waiting line (waiting for one when idle); False

@@ -1,15 +1,16 @@
 """The persistent compilation cache: compiled decode programs outlive the process.
 
-JAX's persistent cache, on by default in a per-user directory: a second process loads a
-program instead of compiling it. It covers every program of the process (JAX stores those
-that took `jax_persistent_cache_min_compile_time_secs` or more to compile).
+One per-user directory, on by default. In it, programs are kept whole (executables.py): a
+later process loads them, skipping tracing, lowering and XLA's compile. With
+`PACKED_SS_EXECUTABLES=off`, JAX's persistent cache is used there instead (XLA's compile
+saved, tracing and lowering paid by every process; it stores programs that took
+`jax_persistent_cache_min_compile_time_secs` or more).
 `PACKED_SS_COMPILE_CACHE=off|DIR` or `set_compile_cache(path | None)` (CLI:
 `--compile-cache`) turns it off or moves it; a cache directory configured in JAX itself is
 left as it is. Whoever can write to the cache can put code in every later process, so a
 directory is used only if it is this user's own and nobody else can write to it or swap
 it (`_distrust`); otherwise the process compiles without it, with one warning. Where it
-lives and what it saves: docs/api.md.
-"""
+lives and what it saves: docs/api.md."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import jax
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 ENV = "PACKED_SS_COMPILE_CACHE"
+EXECUTABLES_ENV = "PACKED_SS_EXECUTABLES"
 OFF = ("", "0", "off", "none", "false", "no")
 
 _state = {"configured": False, "explicit": None, "dir": None}
@@ -61,8 +63,10 @@ def ensure() -> Path | None:
         except OSError:
             path = None  # an unwritable place: compile as if there were no cache
         else:
-            path = _trusted(path)
-    jax_cache.set_cache_dir(None if path is None else str(path))
+            path = trusted(path)
+    # Programs kept whole (executables.py) make JAX's cache of XLA's output redundant for
+    # them, and a program read back from it cannot be kept whole again on every backend.
+    jax_cache.set_cache_dir(None if path is None or keeps_executables() else str(path))
     # JAX decides once per process whether it uses the cache, at its first compile, which
     # may have happened before (loading a model compiles small programs): ask again.
     jax_cache.reset_cache()
@@ -70,7 +74,14 @@ def ensure() -> Path | None:
     return path
 
 
-def _trusted(path: Path) -> Path | None:
+def keeps_executables() -> bool:
+    """Whether compiled programs are kept whole in the cache directory (executables.py),
+    unless `PACKED_SS_EXECUTABLES` turns that off (JAX's own cache is used instead)."""
+    value = os.environ.get(EXECUTABLES_ENV)
+    return value is None or value.strip().lower() not in OFF
+
+
+def trusted(path: Path) -> Path | None:
     """`path`'s real directory if it may hold compiled programs, else None (with one
     warning). JAX gets the real directory, so a symbolic link swapped later does not move
     this process's cache."""

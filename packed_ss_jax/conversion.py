@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import hub
 from .checkpoints import store
 from .checkpoints.interrupts import Interrupted, SignalGuard
 from .checkpoints.store import DestinationError
@@ -60,7 +61,8 @@ def check_destination(src: Path, dst: Path, overwrite: bool) -> Path:
 def convert(src: str | Path, dst: str | Path, dtype: str = "bfloat16", lora: bool | None = None,
             overwrite: bool = False, progress: bool = True, base_config=None) -> Path:
     """Converts `src` (config.json, safetensors shards, optional linear_spec_lora/; or a
-    SetDLM directory with pytorch_model.bin or safetensors) to `dst`.
+    SetDLM directory with pytorch_model.bin or safetensors; or a Hugging Face hub id
+    ORG/NAME[@REVISION] naming one, when no such local directory exists) to `dst`.
 
     base_config: SetDLM only, the Qwen3 base model's config.json (see `load`).
 
@@ -77,6 +79,8 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "bfloat16", lora: boo
     """
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; expected one of {DTYPES}")
+    if hub.is_hub_name(src) and not Path(src).exists():
+        src = hub.resolve(src)
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
         raise FileNotFoundError(f"source checkpoint {src} is not a directory")

@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import batched, families, options as options_lib, programs, sharding, stops, validate
+from . import (batched, executables, families, options as options_lib, programs, sharding,
+               stops, validate)
 from .options import Batch, DecodeOptions, Program, Request
 from .programs import Key
 from .results import DecodeResult, of_outcome
@@ -104,7 +105,8 @@ class Engine:
         self.mesh = sharding.mesh_of(model.params)
         # This engine's own programs, or (`Engine.of`) those of every engine of a model
         # with this config on these devices.
-        self._programs = programs.shared(model) if shared else programs.Programs()
+        self._programs = (programs.shared(model) if shared
+                          else programs.Programs(programs.identity(model)))
         self._slot_fns: dict = {}   # batched.SlotFunctions by (slot program, slots)
         self.compile_s = 0.0   # seconds this engine spent compiling, all programs together
 
@@ -141,6 +143,35 @@ class Engine:
         self.compile_s += seconds
         return exe, seconds
 
+    def preload(self) -> int:
+        """Reads the programs of this model kept on disk by earlier processes (on several
+        threads), so that those asked for later are neither compiled nor read one by one;
+        returns how many (programs.Programs.preload)."""
+        t0 = time.perf_counter()
+        n = self._programs.preload()
+        self.compile_s += time.perf_counter() - t0
+        return n
+
+    def warm(self, label: str, run: Callable[[], None]) -> tuple[int, bool]:
+        """Readies the programs `run` asks for. Those kept on disk are read first (`preload`);
+        when an earlier warm-up of this `label` (what decides which programs `run` asks
+        for) asked for none that is not held now, `run` is not called: nothing is left to
+        compile. Else it runs, and what it asked for is noted under `label` for the next
+        process. Returns (the programs read from disk, whether `run` ran)."""
+        store = self._programs
+        loaded = self.preload()
+        wanted = executables.recall(store.identity, label)
+        if wanted is not None and wanted <= {repr(k) for k in store}:
+            return loaded, False
+        store.asked = set()
+        try:
+            run()
+            asked = store.asked
+        finally:
+            store.asked = None
+        executables.remember(store.identity, label, {repr(k) for k in asked})
+        return loaded, True
+
     def executables(self) -> dict:
         """The compiled programs held, by `programs.Key` (for profiling: `.as_text()`)."""
         return dict(self._programs)
@@ -151,7 +182,7 @@ class Engine:
         leaf's leading axis of `batch` entries split over "data". On one device, as they
         are."""
         if self.mesh is None:
-            return jax.tree.map(jnp.asarray, args)
+            return jax.device_put(args)
         spec = (jax.sharding.PartitionSpec() if batch is None
                 else sharding.batch_spec(self.mesh, batch))
         return jax.device_put(args, jax.sharding.NamedSharding(self.mesh, spec))

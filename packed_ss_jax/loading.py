@@ -6,7 +6,7 @@ from pathlib import Path
 
 import jax
 
-from . import families, sharding
+from . import families, hub, sharding
 from .checkpoints import store
 from .checkpoints.errors import CheckpointError
 from .config import DTYPES, ConfigError, ModelConfig, read_hf_config
@@ -63,13 +63,20 @@ def embedded_models() -> list[str]:
     return sorted(p.name for p in EMBEDDED_DIR.iterdir() if (p / "config.json").is_file())
 
 
-def resolve(path: str | Path | None) -> Path:
-    """A checkpoint directory: `path`, or the embedded model it names (None: the default).
-    An existing directory wins over an embedded model of the same name."""
-    if path is None:
+def resolve(path: str | Path | None, revision: str | None = None) -> Path:
+    """A checkpoint directory: `path`, the embedded model it names (None: the default), or
+    the local snapshot of the Hugging Face hub checkpoint it names (`ORG/NAME[@REVISION]`,
+    hub.py; `revision` applies to those only). An existing directory wins over either."""
+    if path is None and revision is None:
         return EMBEDDED
-    if isinstance(path, str) and not Path(path).exists() and path in embedded_models():
-        return EMBEDDED_DIR / path
+    if isinstance(path, str) and not Path(path).exists():
+        if path in embedded_models() and revision is None:
+            return EMBEDDED_DIR / path
+        if hub.is_hub_name(path):
+            return hub.resolve(path, revision)
+    if revision is not None:
+        raise ConfigError(f"revision {revision!r} applies to a Hugging Face hub name "
+                          f"(ORG/NAME), not to {path!r}")
     return Path(path)
 
 
@@ -82,8 +89,8 @@ def read_config(path: str | Path | None = None, dtype: str = "float32",
     return hf_config(path, dtype, None, base_config)
 
 
-def _directory(path) -> Path:
-    path = resolve(path)
+def _directory(path, revision: str | None = None) -> Path:
+    path = resolve(path, revision)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint path {path} does not exist")
     if not path.is_dir():
@@ -94,7 +101,7 @@ def _directory(path) -> Path:
 def load(path: str | Path | None = None, dtype: str = "float32", lora: bool | None = None,
          progress: bool = False, base_config=None, verify: bool = True,
          tokenizer: str | Path | None = None, matmul_precision: str = "default",
-         mesh=None) -> Model:
+         mesh=None, revision: str | None = None) -> Model:
     """Loads a checkpoint directory.
 
     path:  None (default) loads the small model shipped inside the package ("nld-tiny",
@@ -102,7 +109,12 @@ def load(path: str | Path | None = None, dtype: str = "float32", lora: bool | No
            (`embedded_models()`) loads that one; otherwise a Hugging Face
            Nemotron-Labs-Diffusion directory (config.json + safetensors, optional
            `linear_spec_lora/`), a SetDLM directory (BD3LM-style config.json +
-           pytorch_model.bin or safetensors) or a directory written by `convert`.
+           pytorch_model.bin or safetensors) or a directory written by `convert`; or
+           a Hugging Face hub id, "ORG/NAME" or "ORG/NAME@REVISION", when no such local
+           directory exists: its files are fetched through huggingface_hub's cache
+           (hub.py; offline with HF_HUB_OFFLINE=1) and read as that directory.
+    revision: a hub checkpoint's branch, tag or commit (default: the one in the name,
+           else "main").
     base_config: SetDLM only: the config.json (path or dict) of the Qwen3 base model that
            `backbone_config.pretrained_model_name_or_path` names, when the checkpoint's
            config.json does not carry the backbone dimensions itself.
@@ -132,7 +144,7 @@ def load(path: str | Path | None = None, dtype: str = "float32", lora: bool | No
            process (see `store.restore`), then each places only its devices' slices.
     """
     _check_options(dtype, matmul_precision)
-    path = _directory(path)
+    path = _directory(path, revision)
     if store.is_converted(path):
         config = _converted_config(path, dtype, lora)
         # Called from load itself: its missing-checksum warning (stacklevel) names the

@@ -16,7 +16,7 @@ from typing import Callable, NamedTuple
 
 import jax
 
-from . import compile_cache, sharding
+from . import compile_cache, executables, sharding
 
 DEFAULT_MAX_PROGRAMS = 32
 
@@ -55,10 +55,19 @@ def keep_at_least(n: int) -> None:
 
 
 class Programs(dict):
-    """Compiled programs by `Key` (a dict that can be held weakly)."""
+    """Compiled programs by `Key` (a dict that can be held weakly); `identity`: what they
+    are compiled for (`identity(model)`), under which they are kept on disk
+    (executables.py; None: not kept)."""
+
+    def __init__(self, identity=None):
+        super().__init__()
+        self.identity = identity
+        self.asked: set | None = None   # keys asked for while a warm-up records them
 
     def used(self, key):
         """The program of `key` (None if not held), now the most recently used."""
+        if self.asked is not None:
+            self.asked.add(key)
         exe = self.get(key)
         if exe is not None:
             _recent[(id(self), key)] = weakref.ref(self)
@@ -76,16 +85,23 @@ class Programs(dict):
             if (held := store()) is not None:
                 held.pop(old, None)
 
+    def preload(self) -> int:
+        """Holds the programs kept on disk for this store's identity (executables.py; at
+        most the bound on held programs, the most recently used first), read on several
+        threads; returns how many."""
+        compile_cache.ensure()
+        return executables.preload(self.identity, self.hold, max_programs())
+
     def compiled(self, key, fn: Callable, *args, donate: tuple[int, ...] = ()):
         """`fn` lowered and compiled for `args` once per `key`: the executable and the
-        seconds spent compiling now. `donate`: the arguments whose buffers the program may
+        seconds spent compiling (or loading it from disk) now. `donate`: the arguments whose buffers the program may
         reuse for its outputs (a state updated in place)."""
         exe = self.used(key)
         if exe is not None:
             return exe, 0.0
         compile_cache.ensure()
         t0 = time.perf_counter()
-        exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+        exe = executables.compiled(self.identity, key, fn, args, donate)
         self.hold(key, exe)
         return exe, time.perf_counter() - t0
 
@@ -113,11 +129,17 @@ def shared(model) -> Programs:
     """The store of every engine of a model with this config on these devices: a program
     takes the weights as an argument, so another checkpoint of the same shape (or new
     weights in a training loop) runs the same programs."""
-    where = (model.program_key, _placement(model.params))
+    where = identity(model)
     store = _shared.get(where)
     if store is None:
-        store = _shared[where] = Programs()
+        store = _shared[where] = Programs(where)
     return store
+
+
+def identity(model) -> tuple:
+    """What a model's programs are compiled for: its compile identity and where its
+    weights lie."""
+    return (model.program_key, _placement(model.params))
 
 
 def _placement(params) -> tuple:

@@ -20,6 +20,9 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # Nothing from a user's persistent compilation cache: `run_compile_cache` gives the run one
 # of its own.
 os.environ["PACKED_SS_COMPILE_CACHE"] = "off"
+# Nor programs kept on disk (executables.py): a test that patches a function a program
+# calls must get the program it patched. tests/test_executables.py turns them on.
+os.environ["PACKED_SS_EXECUTABLES"] = "off"
 
 
 # The project's own fixture set, written by `python -m tools.fixtures --out tests/fixtures`.

@@ -152,6 +152,12 @@ SLOW: dict[str, tuple[str, tuple[str, ...] | None]] = {
         ("servers of other schedules", ("setdlm-tiny-packed-None",)),
     "test_serving.py::test_memory_stays_flat_over_hundreds_of_varied_requests":
         ("360 requests through the server", None),
+    "test_executables.py::test_loaded_programs_give_the_compiled_tokens":
+        ("three processes decoding both embedded models, compiling and reading back (the "
+         "in-process checks stay)", None),
+    "test_scripts.py::test_startup":
+        ("server and decode processes started cold and warm (the script's --help stays)",
+         None),
     "test_scripts.py::test_lm_eval_serving":
         ("lm-evaluation-harness against a server process", None),
     "test_scripts.py::test_serving":

@@ -260,3 +260,12 @@ def test_unknown_command_is_one_line(capsys):
     assert cli.main(["decode", "hi"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("packed-ss: error: unknown command 'decode'")
+
+
+def test_version(capsys):
+    import jax
+    import jaxlib
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out == (f"packed-ss {ps.__version__} (jax {jax.__version__}, "
+                                       f"jaxlib {jaxlib.__version__})\n")

@@ -44,6 +44,7 @@ SMOKE = {
     "benchmarks.roofline": ["test_scripts.py::test_roofline"],
     "benchmarks.lm_eval_serving": ["test_scripts.py::test_lm_eval_serving"],
     "benchmarks.serving": ["test_scripts.py::test_serving"],
+    "benchmarks.startup": ["test_scripts.py::test_startup"],
     "benchmarks.stream_overhead": ["test_scripts.py::test_stream_overhead"],
     "tools.call_path": ["test_scripts.py::test_call_path_of_a_decode"],
     "tools.fixtures": ["test_fixtures_manifest.py::test_generator_reproduces_the_committed_files"],
@@ -147,6 +148,17 @@ def test_stream_overhead(capsys):
     assert stream_overhead.main(["--tokens", "16", "--chunks", "4", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
     assert "| one-shot | 1 |" in out and "| k=4 |" in out and "| k=4 + text |" in out
+
+
+def test_startup(tmp_path, capsys):
+    from benchmarks import startup
+
+    out = tmp_path / "startup"
+    assert startup.main(["--modes", "disk", "--repeat", "1", "--max-model-len", "32",
+                         "--out", str(out)]) == 0
+    assert "| warm, programs on disk |" in capsys.readouterr().out
+    row = json.loads(out.with_suffix(".json").read_text())["rows"]["warm, programs on disk"]
+    assert "read from disk" in row["serve"]["ready"], row
 
 
 def test_branches(tmp_path, capsys):

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,14 +29,19 @@ log = logging.getLogger(__name__)
 
 def create_app(model, name: str, *, schedule: str = "packed", width: dict | None = None,
                limits: Limits | None = None, max_model_len: int | None = None,
-               slots: int = 8, steps: int = 4, max_queue: int = 256) -> Guard:
+               slots: int = 8, steps: int = 4, max_queue: int = 256, warm: bool = True,
+               on_ready: Callable[[BaseException | None], None] | None = None) -> Guard:
     """The ASGI app serving `model` under the model id `name`: the FastAPI app (its
     `.app`) inside the connection and body limits of `limits`. Requests are decoded
     `slots` at a time (client.py), `steps` loop iterations per launch, each fitting
     `max_model_len` tokens (default: the model's context, at most DEFAULT_MAX_MODEL_LEN);
     past `max_queue` requests waiting for a slot, a new one gets 503. `width`: the
     schedule's shape ({"width": W}, the family's B or W, and "branches" for Branched-SS).
-    Every program is compiled here, before the app is returned."""
+    Every program is compiled (or read from disk) here, before the app is returned; with
+    `warm` False, when the app starts, on the decoder thread: until then `/health` answers
+    503 with status "starting" (or "failed", when that fails; `on_ready` is told, on that
+    thread, with the error or None) and requests wait in the queue. A state that cannot
+    fit in memory is refused here either way."""
     limits = limits or Limits()
     if max_model_len is None:
         max_model_len = min(model.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
@@ -43,7 +49,7 @@ def create_app(model, name: str, *, schedule: str = "packed", width: dict | None
     if schedule == "auto":
         schedule, width, auto = client_lib.choose_auto(model, width, max_model_len, slots)
     defaults = dict(schedule=schedule, **(width or {}), cache_size=max_model_len)
-    service = Service(model, name, defaults, limits, slots, steps, max_queue)
+    service = Service(model, name, defaults, limits, slots, steps, max_queue, warm, on_ready)
     service.gauges.schedule_in_use(
         service.decoder.label, None if auto is None else auto["predicted_tokens_per_s"])
     docs = dict(docs_url="/docs", redoc_url=None, openapi_url="/openapi.json") if limits.docs \
@@ -79,10 +85,14 @@ class Service:
     decoded by the engine client's thread, and answered whole or as server-sent events."""
 
     def __init__(self, model, name: str, defaults: dict, limits: Limits, slots: int,
-                 steps: int, max_queue: int):
+                 steps: int, max_queue: int, warm: bool = True, on_ready=None):
         self.name, self.created, self.max_queue = name, int(time.time()), max_queue
         self.decoder = EngineClient(model, defaults, slots, steps)
-        self.decoder.warm()
+        self.decoder.plan()
+        if warm:
+            self.decoder.warm()
+        self.on_ready = on_ready
+        self.decoder.on_ready = self._ready
         self.gauges = self.decoder.observer = Metrics(
             lambda: self.decoder.queued, lambda: self.decoder.busy_slots, slots)
         self.expired = asyncio.Event()   # set at the drain's deadline (on the event loop)
@@ -100,6 +110,17 @@ class Service:
         self.deadline()
         self.preparer.shutdown()
         self.decoder.stop(timeout=2.0)
+
+    def _ready(self, error: BaseException | None) -> None:
+        """A warm-up on the decoder thread has ended: with an error, no request will be
+        decoded (the server stops taking them; those waiting get 503)."""
+        if error is not None:
+            self.decoder.draining = True
+            self.decoder.abort_all_soon(APIError(
+                503, self.scrub(f"the server failed to start: {type(error).__name__}: "
+                                f"{error}"), "server_error"))
+        if self.on_ready is not None:
+            self.on_ready(error)
 
     def deadline(self) -> None:
         """The drain's deadline: every request still running or waiting ends with a 503."""
@@ -136,10 +157,17 @@ class Service:
     # --- routes ---------------------------------------------------------------------------------
 
     async def health(self):
+        """503 while the programs are made ready ("starting") and after that failed
+        ("failed"); else 200 ("ok", or "draining" after SIGTERM)."""
         d = self.decoder
-        return {"status": "draining" if d.draining else "ok", "model": self.name,
-                "queued": d.queued, "busy": d.busy_slots > 0, "slots_busy": d.busy_slots,
-                "slots": d.slots, "cancelled": d.cancelled}
+        status = ("failed" if d.failed is not None else "starting" if not d.ready.is_set()
+                  else "draining" if d.draining else "ok")
+        body = {"status": status, "model": self.name, "queued": d.queued,
+                "busy": d.busy_slots > 0, "slots_busy": d.busy_slots, "slots": d.slots,
+                "cancelled": d.cancelled}
+        if d.failed is not None:
+            body["error"] = self.scrub(f"{type(d.failed).__name__}: {d.failed}")
+        return JSONResponse(body, status_code=503) if status in ("starting", "failed") else body
 
     async def metrics(self):
         m = self.gauges

@@ -46,8 +46,9 @@ def model_name(path: str | None) -> str:
 
 
 def serve(app, sock: socket.socket, limits: Limits) -> bool:
-    """Serves `app` on the bound `sock` until SIGTERM/SIGINT, then drains (see the package
-    docstring) and returns whether its threads have ended. A decoder inside a compile, or
+    """Serves `app` on the bound `sock` until SIGTERM/SIGINT (or until its programs fail
+    to be made ready), then drains (see the package docstring) and returns whether its
+    threads have ended. A decoder inside a compile, or
     a tokenizer inside a long text, cannot be stopped, and the interpreter must not wait
     for them or be torn down under them (`os._exit`, once the output is flushed)."""
     # The connection limit is the protocol's (a JSON 503 as a connection opens), not
@@ -58,8 +59,19 @@ def serve(app, sock: socket.socket, limits: Limits) -> bool:
                             timeout_graceful_shutdown=int(limits.drain_timeout_s) + 3)
     state = app.app.state
     _log_access()
-    _Draining(config, state.decoder, state.deadline, limits).run(sockets=[sock])
+    server = _Draining(config, state.decoder, state.deadline, limits)
+    threading.Thread(target=_stop_if_not_ready, args=(state.decoder, server), daemon=True,
+                     name="packed-ss-start-watch").start()
+    server.run(sockets=[sock])
     return not state.decoder.thread.is_alive() and not state.preparer.busy
+
+
+def _stop_if_not_ready(decoder, server: uvicorn.Server) -> None:
+    """Stops a server whose programs could not be made ready (a warm-up on the decoder
+    thread that failed): it would never decode."""
+    decoder.settled.wait()
+    if decoder.failed is not None:
+        server.should_exit = True
 
 
 def _log_access() -> None:

@@ -1,0 +1,365 @@
+"""Compiled programs kept on disk: a program compiled once is serialized
+(`jax.experimental.serialize_executable`), and a later process loads it instead of
+tracing, lowering and compiling it again.
+
+Entries live in `executables/` inside the persistent compilation cache (compile_cache.py),
+on when it is on; `PACKED_SS_EXECUTABLES=off` turns them off alone (and JAX's own
+persistent cache on in their place). A model's programs share one folder, named by a
+digest of what they all depend on (this package's code, jax and jaxlib, the backend and
+its devices, the model's compile identity, XLA_FLAGS and JAX's settings); an entry in it
+is named by a digest of its program's key, its arguments' shapes, dtypes and placements
+and the donated ones. `preload` reads a folder's entries on several threads (a server's
+startup); `compiled` reads one or compiles and keeps it.
+
+An entry is code: it is read only from a directory the compilation cache would trust,
+only if this user owns it and nobody else can write it, and only up to the size bound;
+its header must name these versions and this program and its checksum must hold. One that
+fails is compiled anew, with one warning line, and replaced. Entries are written to a
+temporary file renamed into place, and the least recently used go past the bound
+(`PACKED_SS_EXECUTABLES_MAX_BYTES`)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import hashlib
+import json
+import logging
+import os
+import pickle
+import stat
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from . import compile_cache
+
+MAX_BYTES_ENV = "PACKED_SS_EXECUTABLES_MAX_BYTES"
+DEFAULT_MAX_BYTES = 4 << 30
+FORMAT = 1
+MAGIC = b"packed_ss_jax executable\n"
+SUFFIX = ".pssx"
+WARM_SUFFIX = ".warm.json"
+_HEADER_MAX = 1 << 16
+_STALE_S = 3600
+_VERSIONED = ("format", "jax", "jaxlib", "platform", "devices", "package")
+# JAX settings that change where programs are kept or what is logged, not the programs.
+_NOT_PROGRAM = ("cache", "log", "pprint", "traceback", "explain", "dump", "transfer_guard",
+                "source_url", "thread_guard")
+log = logging.getLogger(__name__)
+
+
+_hits = threading.local()   # JAX compilation cache hits on this thread
+
+
+def _count_hit(event: str, **kwargs) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _hits.n = getattr(_hits, "n", 0) + 1
+
+
+jax.monitoring.register_event_listener(_count_hit)
+
+
+class Unusable(Exception):
+    """Why an entry on disk is not loaded (the warning's words)."""
+
+
+def directory() -> Path | None:
+    """Where entries are kept (None: off): `executables/` in the compilation cache, when
+    that is on, trusted, and `PACKED_SS_EXECUTABLES` does not turn this off; only in a
+    process of its own (several hosts compile together)."""
+    cache = compile_cache.ensure()
+    if cache is None or not compile_cache.keeps_executables() or jax.process_count() > 1:
+        return None
+    path = cache / "executables"
+    try:
+        path.mkdir(exist_ok=True, mode=0o700)
+    except OSError:
+        return None
+    return compile_cache.trusted(path)
+
+
+def max_bytes() -> int:
+    value = os.environ.get(MAX_BYTES_ENV, "")
+    try:
+        return max(int(value), 0) if value else DEFAULT_MAX_BYTES
+    except ValueError:
+        raise ValueError(f"{MAX_BYTES_ENV} must be a whole number of bytes, "
+                         f"got {value!r}") from None
+
+
+@functools.cache
+def package_digest() -> str:
+    """A digest of this package's code: a program compiled by other code is another."""
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parent
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _versions() -> dict:
+    import jaxlib
+
+    device = jax.devices()[0]
+    return {"format": FORMAT, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "platform": f"{device.platform} {device.client.platform_version}",
+            "devices": [d.device_kind for d in jax.devices()],
+            "package": package_digest()}
+
+
+def _environment(identity) -> str:
+    """What every program of a model depends on, as text: the versions, the model's
+    compile identity, XLA_FLAGS and JAX's settings."""
+    settings = {k: repr(v) for k, v in sorted(jax.config.values.items())
+                if not any(word in k for word in _NOT_PROGRAM)}
+    return json.dumps({**_versions(), "identity": repr(identity), "settings": settings,
+                       "xla_flags": os.environ.get("XLA_FLAGS", "")}, sort_keys=True)
+
+
+def _leaf(x) -> str:
+    sharding = getattr(x, "sharding", None)
+    return (f"{np.shape(x)}:{getattr(x, 'dtype', type(x).__name__)}:"
+            f"{getattr(x, 'weak_type', '')}:{sharding if sharding is not None else ''}")
+
+
+def _program(key, args, donate) -> str:
+    """What one program is, as text: its key, its arguments' structure, shapes, dtypes and
+    placements, and the donated ones."""
+    return json.dumps({"key": repr(key), "args": str(jax.tree.structure(args)),
+                       "leaves": [_leaf(x) for x in jax.tree.leaves(args)],
+                       "donate": list(donate)}, sort_keys=True)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _group(identity) -> tuple[Path, str] | None:
+    """The folder of a model's programs in this environment, and the environment's text
+    (None: off)."""
+    where = None if identity is None else directory()
+    if where is None:
+        return None
+    environment = _environment(identity)
+    group = where / _digest(environment)[:32]
+    try:
+        group.mkdir(exist_ok=True, mode=0o700)
+    except OSError:
+        return None
+    group = compile_cache.trusted(group)
+    return None if group is None else (group, environment)
+
+
+def compiled(identity, key, fn, args, donate=()):
+    """`fn` compiled for `args`: loaded from disk when kept there, else lowered, compiled
+    and kept. `identity`, `key`: what the program is (`identity` None: not kept)."""
+    group = _group(identity)
+    exe = path = None
+    if group is not None:
+        program = _program(key, args, donate)
+        path = group[0] / (_digest(program)[:40] + SUFFIX)
+        exe = _load(path, group[1], program)
+    if exe is None:
+        hits = getattr(_hits, "n", 0)
+        exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+        # One read back from JAX's own cache cannot be serialized again on every backend
+        # (on CPU its functions are missing when loaded): kept only when compiled here.
+        if path is not None and getattr(_hits, "n", 0) == hits:
+            _store(path, group[1], program, key, exe)
+    return exe
+
+
+def preload(identity, hold, limit: int, workers: int | None = None) -> int:
+    """Loads the programs kept for `identity` (the `limit` most recently used), on
+    `workers` threads (default one per core), handing each to `hold(key, exe)`; returns
+    how many. An unusable entry is skipped with one warning line (compiled anew when
+    asked for)."""
+    group = _group(identity)
+    if group is None or limit <= 0:
+        return 0
+    entries = sorted(group[0].glob("[!.]*" + SUFFIX), key=_mtime, reverse=True)[:limit]
+    with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
+        loaded = [x for x in pool.map(lambda p: _load(p, group[1]), entries) if x]
+    for key, exe in loaded:
+        hold(key, exe)
+    return len(loaded)
+
+
+def remember(identity, label: str, keys: set[str]) -> None:
+    """Notes which programs (their keys' text) a warm-up of `label` asked for."""
+    group = _group(identity)
+    if group is not None:
+        _write(group[0] / (_digest(label)[:40] + WARM_SUFFIX),
+               json.dumps(sorted(keys)).encode())
+
+
+def recall(identity, label: str) -> set[str] | None:
+    """What `remember` noted for `label` (None: nothing, or a note this user does not
+    own alone). A note only decides whether a warm-up runs; what it names is never
+    loaded from it."""
+    group = _group(identity)
+    if group is None:
+        return None
+    path = group[0] / (_digest(label)[:40] + WARM_SUFFIX)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        try:
+            _check_owner(os.fstat(f.fileno()))
+            keys = json.loads(f.read(_HEADER_MAX * 16))
+        except (Unusable, ValueError):
+            return None
+    ok = isinstance(keys, list) and all(isinstance(k, str) for k in keys)
+    return set(keys) if ok else None
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _load(path: Path, environment: str, program: str | None = None):
+    """The program in `path` (with `program` given, that one's executable; else its
+    (key, executable)), or None: none there, or unusable (then one warning line)."""
+    try:
+        key, exe = _read(path, environment, program)
+    except FileNotFoundError:
+        return None
+    except Unusable as e:
+        log.warning(f"packed_ss_jax: compiled program {path} not used ({e}); "
+                    "compiling it anew")
+        return None
+    try:
+        os.utime(path)   # most recently used: the last to go past the bound
+    except OSError:
+        pass
+    return exe if program is not None else (key, exe)
+
+
+def _read(path: Path, environment: str, program: str | None):
+    """(key, executable) in `path`, if its owner, size, header (made in `environment`,
+    for `program` when given) and checksum allow (else Unusable)."""
+    from jax.experimental import serialize_executable
+
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise Unusable(f"cannot be opened: {e.strerror or e}") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        _check_owner(info)
+        if info.st_size > max_bytes():
+            raise Unusable(f"{info.st_size} bytes, over the bound of {max_bytes()}")
+        if f.readline(len(MAGIC) + 1) != MAGIC:
+            raise Unusable("not an entry of this kind")
+        try:
+            header = json.loads(f.readline(_HEADER_MAX))
+            _check_header(header, environment, program)
+            payload = f.read()
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise Unusable(f"damaged header: {e}") from None
+    if len(payload) != header["bytes"] or hashlib.sha256(payload).hexdigest() != header["sha256"]:
+        raise Unusable("truncated or damaged: its checksum does not match")
+    try:
+        key, blob, in_tree, out_tree = pickle.loads(payload)
+        return key, serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
+    except Exception as e:   # anything a stale executable can raise when loaded
+        raise Unusable(f"failed to load: {type(e).__name__}: {e}"[:300]) from None
+
+
+def _check_owner(info: os.stat_result) -> None:
+    if not stat.S_ISREG(info.st_mode):
+        raise Unusable("not a regular file")
+    if hasattr(os, "geteuid") and info.st_uid != os.geteuid():
+        raise Unusable(f"owned by user {info.st_uid}, not by this user")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise Unusable("writable by group or others")
+
+
+def _check_header(header: dict, environment: str, program: str | None) -> None:
+    want = json.loads(environment)
+    for field in _VERSIONED:
+        if header[field] != want[field]:
+            raise Unusable(f"made with {field} {header[field]!r}, this process has "
+                           f"{want[field]!r}")
+    if header["environment"] != _digest(environment) or (
+            program is not None and header["program"] != _digest(program)):
+        raise Unusable("made for another program")
+    if not isinstance(header["bytes"], int) or not isinstance(header["sha256"], str):
+        raise ValueError("no size or checksum")
+
+
+def _store(path: Path, environment: str, program: str, key, exe) -> None:
+    """Keeps `exe` at `path` (nothing when the backend cannot serialize it, or when it
+    would not fit the bound)."""
+    from jax.experimental import serialize_executable
+
+    try:
+        payload = pickle.dumps((key, *serialize_executable.serialize(exe)))
+    except Exception as e:   # a backend or program that cannot be serialized
+        log.debug("packed_ss_jax: %s not kept on disk: %s", key, e)
+        return
+    want = json.loads(environment)
+    header = {field: want[field] for field in _VERSIONED}
+    header.update(environment=_digest(environment), program=_digest(program),
+                  bytes=len(payload), sha256=hashlib.sha256(payload).hexdigest())
+    data = MAGIC + json.dumps(header).encode() + b"\n" + payload
+    if len(data) > max_bytes():
+        return
+    _write(path, data)
+    _bound(path.parent.parent, max_bytes())
+
+
+def _write(path: Path, data: bytes) -> None:
+    """`data` at `path`, whole or not at all: a temporary file renamed into place."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=SUFFIX)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _bound(where: Path, limit: int) -> None:
+    """Removes this module's least recently used entries until they fit `limit`, and
+    temporary files a killed process left (an hour old: a live writer's are newer)."""
+    entries, now = [], time.time()
+    for path in where.glob("*/*" + SUFFIX):
+        try:
+            info = path.lstat()
+        except OSError:
+            continue
+        if not stat.S_ISREG(info.st_mode):
+            continue
+        if path.name.startswith(".tmp-"):
+            if now - info.st_mtime > _STALE_S:
+                path.unlink(missing_ok=True)
+            continue
+        entries.append((info.st_mtime, info.st_size, path))
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries):
+        if total <= limit:
+            break
+        try:
+            path.unlink()
+            total -= size
+        except OSError:
+            pass

@@ -1,0 +1,91 @@
+"""A server that listens before its programs are ready (`create_app(warm=False)`, what
+`packed-ss serve` does): `/health` answers 503 "starting" until they are, requests sent
+meanwhile wait and get `decode`'s tokens; a warm-up that fails makes `/health` say
+"failed" with the error, answers waiting and new requests with 503, and stops the
+server."""
+
+import concurrent.futures
+import threading
+
+import pytest
+
+import packed_ss_jax as ps
+from packed_ss_jax.client import EngineClient
+from packed_ss_jax.server import bind, create_app, serve
+from packed_ss_jax.server.http_guard import Limits
+from servers import in_process, request
+
+MODEL = ps.load()
+PROMPT = "Question: Ava has 3 apples. She gets 4 more. How many?\nAnswer:"
+
+
+def _app(**kw):
+    return create_app(MODEL, "nld-tiny", max_model_len=64, slots=2, warm=False, **kw)
+
+
+def test_health_is_starting_until_ready_and_requests_wait(monkeypatch):
+    release = threading.Event()
+    run_each = EngineClient._run_each
+
+    def held(self, *args):
+        assert release.wait(120)
+        return run_each(self, *args)
+
+    monkeypatch.setattr(EngineClient, "_run_each", held)
+    told = []
+    with in_process(_app(on_ready=told.append)) as base:
+        code, body = request(base, "GET", "/health")
+        assert code == 503 and body["status"] == "starting", body
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            asked = pool.submit(request, base, "POST", "/v1/completions",
+                                {"model": "nld-tiny", "prompt": PROMPT, "max_tokens": 8,
+                                 "temperature": 0}, timeout=300)
+            release.set()
+            code, body = asked.result(timeout=300)
+        assert code == 200, body
+        want = ps.decode(MODEL, PROMPT, max_new_tokens=8)
+        assert body["packed_ss"]["token_ids"] == want.tokens
+        code, health = request(base, "GET", "/health")
+        assert code == 200 and health["status"] == "ok"
+    assert told == [None]
+
+
+def _failing(monkeypatch):
+    def fail(self, *args):
+        raise RuntimeError("no room for the programs")
+
+    monkeypatch.setattr(EngineClient, "_run_each", fail)
+
+
+def test_a_failed_warm_up_is_reported_and_refuses_requests(monkeypatch):
+    _failing(monkeypatch)
+    told = []
+    settled = threading.Event()
+    with in_process(_app(on_ready=lambda e: (told.append(e), settled.set()))) as base:
+        assert settled.wait(120)
+        code, body = request(base, "GET", "/health")
+        assert code == 503 and body["status"] == "failed", body
+        assert "no room for the programs" in body["error"]
+        code, body = request(base, "POST", "/v1/completions",
+                             {"model": "nld-tiny", "prompt": PROMPT, "max_tokens": 4})
+        assert code == 503, body
+    assert len(told) == 1 and isinstance(told[0], RuntimeError)
+
+
+def test_serve_stops_when_the_warm_up_fails(monkeypatch):
+    _failing(monkeypatch)
+    sock = bind("127.0.0.1", 0)
+    try:
+        app = _app()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            ended = pool.submit(serve, app, sock, Limits(drain_timeout_s=1))
+            assert ended.result(timeout=120) is True   # stopped by itself, threads ended
+        assert app.app.state.decoder.failed is not None
+    finally:
+        sock.close()
+
+
+def test_a_state_that_cannot_fit_is_refused_before_listening():
+    with pytest.raises(ps.InputError, match="max-model-len|max-num-seqs"):
+        create_app(MODEL, "nld-tiny", max_model_len=MODEL.config.max_position_embeddings,
+                   slots=10**6, warm=False)
