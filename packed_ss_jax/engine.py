@@ -143,25 +143,26 @@ class Engine:
         self.compile_s += seconds
         return exe, seconds
 
-    def preload(self) -> int:
-        """Reads the programs of this model kept on disk by earlier processes (on several
-        threads), so that those asked for later are neither compiled nor read one by one;
-        returns how many (programs.Programs.preload)."""
+    def preload(self, names=None) -> int:
+        """Reads the programs of this model kept on disk by earlier processes (the entries
+        `names`, default all; on several threads), so that those asked for later are
+        neither compiled nor read one by one; returns how many (Programs.preload)."""
         t0 = time.perf_counter()
-        n = self._programs.preload()
+        n = self._programs.preload(names)
         self.compile_s += time.perf_counter() - t0
         return n
 
     def warm(self, label: str, run: Callable[[], None]) -> tuple[int, bool]:
-        """Readies the programs `run` asks for. Those kept on disk are read first (`preload`);
-        when an earlier warm-up of this `label` (what decides which programs `run` asks
-        for) asked for none that is not held now, `run` is not called: nothing is left to
-        compile. Else it runs, and what it asked for is noted under `label` for the next
-        process. Returns (the programs read from disk, whether `run` ran)."""
+        """Readies the programs `run` asks for. When an earlier warm-up of this `label`
+        (what decides which programs `run` asks for) noted them, those it kept on disk
+        are read first (`preload`), and if that leaves none missing `run` is not called:
+        nothing is left to compile. Else it runs, and what it asked for is noted under
+        `label` for the next process. Returns (the programs read from disk here, whether
+        `run` ran)."""
         store = self._programs
-        loaded = self.preload()
         wanted = executables.recall(store.identity, label)
-        if wanted is not None and wanted <= {repr(k) for k in store}:
+        loaded = self.preload([n for n in wanted.values() if n]) if wanted else 0
+        if wanted is not None and set(wanted) <= {repr(k) for k in store}:
             return loaded, False
         store.asked = set()
         try:
@@ -169,7 +170,8 @@ class Engine:
             asked = store.asked
         finally:
             store.asked = None
-        executables.remember(store.identity, label, {repr(k) for k in asked})
+        executables.remember(store.identity, label,
+                             {repr(k): store.entries.get(k) for k in asked})
         return loaded, True
 
     def executables(self) -> dict:

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import stat
 import tempfile
 import threading
@@ -44,6 +45,7 @@ FORMAT = 1
 MAGIC = b"packed_ss_jax executable\n"
 SUFFIX = ".pssx"
 WARM_SUFFIX = ".warm.json"
+_ENTRY = re.compile(r"[0-9a-f]{40}" + re.escape(SUFFIX))
 _HEADER_MAX = 1 << 16
 _STALE_S = 3600
 _VERSIONED = ("format", "jax", "jaxlib", "platform", "devices", "package")
@@ -157,51 +159,58 @@ def _group(identity) -> tuple[Path, str] | None:
 
 def compiled(identity, key, fn, args, donate=()):
     """`fn` compiled for `args`: loaded from disk when kept there, else lowered, compiled
-    and kept. `identity`, `key`: what the program is (`identity` None: not kept)."""
+    and kept. `identity`, `key`: what the program is (`identity` None: not kept). Returns
+    the executable and the name of its entry (None: none on disk)."""
     group = _group(identity)
     exe = path = None
     if group is not None:
         program = _program(key, args, donate)
         path = group[0] / (_digest(program)[:40] + SUFFIX)
         exe = _load(path, group[1], program)
-    if exe is None:
-        hits = getattr(_hits, "n", 0)
-        exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
-        # One read back from JAX's own cache cannot be serialized again on every backend
-        # (on CPU its functions are missing when loaded): kept only when compiled here.
-        if path is not None and getattr(_hits, "n", 0) == hits:
-            _store(path, group[1], program, key, exe)
-    return exe
+    if exe is not None:
+        return exe, path.name
+    hits = getattr(_hits, "n", 0)
+    exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+    # One read back from JAX's own cache cannot be serialized again on every backend (on
+    # CPU its functions are missing when loaded): kept only when compiled here.
+    if path is not None and getattr(_hits, "n", 0) == hits \
+            and _store(path, group[1], program, key, exe):
+        return exe, path.name
+    return exe, None
 
 
-def preload(identity, hold, limit: int, workers: int | None = None) -> int:
-    """Loads the programs kept for `identity` (the `limit` most recently used), on
-    `workers` threads (default one per core), handing each to `hold(key, exe)`; returns
-    how many. An unusable entry is skipped with one warning line (compiled anew when
-    asked for)."""
+def preload(identity, hold, limit: int, names=None, workers: int | None = None) -> int:
+    """Loads the programs kept for `identity`: the entries `names` (None: every one), at
+    most the `limit` most recently used, on `workers` threads (default one per core),
+    handing each to `hold(key, exe, name)`; returns how many. An unusable entry is
+    skipped with one warning line (compiled anew when asked for)."""
     group = _group(identity)
     if group is None or limit <= 0:
         return 0
-    entries = sorted(group[0].glob("[!.]*" + SUFFIX), key=_mtime, reverse=True)[:limit]
+    entries = (group[0].glob("[!.]*" + SUFFIX) if names is None else
+               [group[0] / n for n in names if _ENTRY.fullmatch(n)])
+    entries = sorted(entries, key=_mtime, reverse=True)[:limit]
     with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
-        loaded = [x for x in pool.map(lambda p: _load(p, group[1]), entries) if x]
-    for key, exe in loaded:
-        hold(key, exe)
+        loaded = [(p.name, x) for p, x in zip(entries, pool.map(
+            lambda p: _load(p, group[1]), entries)) if x]
+    for name, (key, exe) in loaded:
+        hold(key, exe, name)
     return len(loaded)
 
 
-def remember(identity, label: str, keys: set[str]) -> None:
-    """Notes which programs (their keys' text) a warm-up of `label` asked for."""
+def remember(identity, label: str, entries: dict[str, str | None]) -> None:
+    """Notes which programs a warm-up of `label` asked for: their keys' text, each with
+    the name of its entry (None: not kept)."""
     group = _group(identity)
     if group is not None:
         _write(group[0] / (_digest(label)[:40] + WARM_SUFFIX),
-               json.dumps(sorted(keys)).encode())
+               json.dumps(entries, sort_keys=True).encode())
 
 
-def recall(identity, label: str) -> set[str] | None:
+def recall(identity, label: str) -> dict[str, str | None] | None:
     """What `remember` noted for `label` (None: nothing, or a note this user does not
-    own alone). A note only decides whether a warm-up runs; what it names is never
-    loaded from it."""
+    own alone). A note names what to read and whether a warm-up must run; an entry it
+    names is read with every check an entry gets."""
     group = _group(identity)
     if group is None:
         return None
@@ -213,11 +222,12 @@ def recall(identity, label: str) -> set[str] | None:
     with os.fdopen(fd, "rb") as f:
         try:
             _check_owner(os.fstat(f.fileno()))
-            keys = json.loads(f.read(_HEADER_MAX * 16))
+            entries = json.loads(f.read(_HEADER_MAX * 16))
         except (Unusable, ValueError):
             return None
-    ok = isinstance(keys, list) and all(isinstance(k, str) for k in keys)
-    return set(keys) if ok else None
+    ok = isinstance(entries, dict) and all(
+        isinstance(k, str) and (v is None or isinstance(v, str)) for k, v in entries.items())
+    return entries if ok else None
 
 
 def _mtime(path: Path) -> float:
@@ -300,25 +310,26 @@ def _check_header(header: dict, environment: str, program: str | None) -> None:
         raise ValueError("no size or checksum")
 
 
-def _store(path: Path, environment: str, program: str, key, exe) -> None:
-    """Keeps `exe` at `path` (nothing when the backend cannot serialize it, or when it
-    would not fit the bound)."""
+def _store(path: Path, environment: str, program: str, key, exe) -> bool:
+    """Keeps `exe` at `path`; False when the backend cannot serialize it, or when it would
+    not fit the bound."""
     from jax.experimental import serialize_executable
 
     try:
         payload = pickle.dumps((key, *serialize_executable.serialize(exe)))
     except Exception as e:   # a backend or program that cannot be serialized
         log.debug("packed_ss_jax: %s not kept on disk: %s", key, e)
-        return
+        return False
     want = json.loads(environment)
     header = {field: want[field] for field in _VERSIONED}
     header.update(environment=_digest(environment), program=_digest(program),
                   bytes=len(payload), sha256=hashlib.sha256(payload).hexdigest())
     data = MAGIC + json.dumps(header).encode() + b"\n" + payload
     if len(data) > max_bytes():
-        return
+        return False
     _write(path, data)
     _bound(path.parent.parent, max_bytes())
+    return True
 
 
 def _write(path: Path, data: bytes) -> None:

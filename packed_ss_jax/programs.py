@@ -63,6 +63,7 @@ class Programs(dict):
         super().__init__()
         self.identity = identity
         self.asked: set | None = None   # keys asked for while a warm-up records them
+        self.entries: dict = {}   # key -> the name of its entry on disk (executables.py)
 
     def used(self, key):
         """The program of `key` (None if not held), now the most recently used."""
@@ -85,12 +86,16 @@ class Programs(dict):
             if (held := store()) is not None:
                 held.pop(old, None)
 
-    def preload(self) -> int:
-        """Holds the programs kept on disk for this store's identity (executables.py; at
-        most the bound on held programs, the most recently used first), read on several
-        threads; returns how many."""
+    def preload(self, names=None) -> int:
+        """Holds the programs kept on disk for this store's identity (executables.py): the
+        entries `names` (None: every one; at most the bound on held programs, the most
+        recently used first), read on several threads; returns how many."""
         compile_cache.ensure()
-        return executables.preload(self.identity, self.hold, max_programs())
+        return executables.preload(self.identity, self._hold_entry, max_programs(), names)
+
+    def _hold_entry(self, key, exe, name: str) -> None:
+        self.hold(key, exe)
+        self.entries[key] = name
 
     def compiled(self, key, fn: Callable, *args, donate: tuple[int, ...] = ()):
         """`fn` lowered and compiled for `args` once per `key`: the executable and the
@@ -101,7 +106,9 @@ class Programs(dict):
             return exe, 0.0
         compile_cache.ensure()
         t0 = time.perf_counter()
-        exe = executables.compiled(self.identity, key, fn, args, donate)
+        exe, name = executables.compiled(self.identity, key, fn, args, donate)
+        if name is not None:
+            self.entries[key] = name
         self.hold(key, exe)
         return exe, time.perf_counter() - t0
 

@@ -175,3 +175,34 @@ def test_preload_holds_what_an_earlier_process_kept(kept, caplog):
         assert (r.compile_s == 0) == (schedule in held), (schedule, r.compile_s)
     programs.clear_programs()
     assert ps.Engine(model).preload() == 2
+
+
+def test_a_second_server_start_reads_its_programs_and_runs_none(kept, monkeypatch):
+    """The first start compiles by running each program and notes them; the next reads
+    exactly those, runs none, and serves `decode`'s tokens."""
+    from packed_ss_jax.client import EngineClient
+    from packed_ss_jax.server import create_app
+    from servers import in_process, request
+
+    settings = dict(schedule="packed", cache_size=64)
+    first = EngineClient(ps.load(), settings, 2)
+    first.warm()
+    assert first.loaded == 0
+    held = set(first.engine.executables())
+    programs.clear_programs()
+    ran = []
+    run_each = EngineClient._run_each
+    monkeypatch.setattr(EngineClient, "_run_each",
+                        lambda self, *a: (ran.append(1), run_each(self, *a)))
+    model = ps.load()
+    app = create_app(model, "nld-tiny", max_model_len=64, slots=2)
+    d = app.app.state.decoder
+    assert not ran and d.loaded == len(held) == d.programs, (d.loaded, len(held))
+    assert set(d.engine.executables()) == held
+    prompt = "Question: Ava has 3 apples. She gets 4 more. How many?\nAnswer:"
+    with in_process(app) as base:
+        code, body = request(base, "POST", "/v1/completions",
+                             {"model": "nld-tiny", "prompt": prompt, "max_tokens": 8,
+                              "temperature": 0})
+    assert code == 200, body
+    assert body["packed_ss"]["token_ids"] == ps.decode(model, prompt, max_new_tokens=8).tokens
