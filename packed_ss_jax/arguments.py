@@ -250,7 +250,9 @@ def model_args(p: Parser) -> None:
                         "config.json only names their backbone")
     p.add_argument("--tokenizer", default=None,
                    help="a tokenizer.json (or its directory) for checkpoints that ship none")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the weights' dtype (default float32; bfloat16 for the real "
+                        "checkpoints on a GPU)")
     p.add_argument("--matmul-precision", choices=["default", "high", "highest"],
                    default="default", help="matmul precision: default follows JAX (TF32 for "
                    "float32 on GPUs); highest: full float32 products")

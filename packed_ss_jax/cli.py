@@ -119,7 +119,8 @@ def _generate_parser(prog: str) -> Parser:
     p.add_argument("--order", default=None,
                    help="SetDLM: verification order, ltr (default) or confidence")
     p.add_argument("--stop", action="append", type=stop_marker, default=[],
-                   help="a stop marker, token ids ('13,13') or text; repeatable")
+                   help="a stop marker, token ids ('13,13') or text; repeatable (default: "
+                        "none but EOS)")
     p.add_argument("--chat", action="store_true",
                    help="the prompt is a user message: render it with the checkpoint's chat "
                         "template (and --system)")
@@ -127,13 +128,19 @@ def _generate_parser(prog: str) -> Parser:
                    help="with --chat: a system message first")
     p.add_argument("--no-thinking", action="store_true",
                    help="with --chat: pass enable_thinking=False to the template")
-    p.add_argument("--max-new-tokens", type=int_at_least(1), default=64)
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=64,
+                   help="the most tokens to generate (default 64)")
     p.add_argument("--no-eos", action="store_true", help="ignore EOS (stop at the length limit)")
     p.add_argument("--temperature", type=temperature, default=0.0,
                    help="0 (default) is greedy; > 0 samples exactly from the AR distribution")
-    p.add_argument("--top-k", type=int_at_least(1), default=None)
-    p.add_argument("--top-p", type=probability, default=None)
-    p.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--top-k", type=int_at_least(1), default=None,
+                   help="with --temperature > 0: sample among the k most likely tokens only "
+                        "(default: all)")
+    p.add_argument("--top-p", type=probability, default=None,
+                   help="with --temperature > 0: sample from the smallest set of tokens whose "
+                        "probability reaches p (default 1: all)")
+    p.add_argument("--seed", type=seed, default=0,
+                   help="the sampling seed, in [0, 2**32) (default 0)")
     return p
 
 

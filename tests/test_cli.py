@@ -269,3 +269,16 @@ def test_version(capsys):
     assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out == (f"packed-ss {ps.__version__} (jax {jax.__version__}, "
                                        f"jaxlib {jaxlib.__version__})\n")
+
+
+@pytest.mark.parametrize("build", [cli._generate_parser, cli._serve_parser])
+def test_every_flag_says_what_it_does_and_its_default(build):
+    import argparse
+
+    for action in build("packed-ss")._actions:
+        if not action.option_strings or isinstance(action, argparse._HelpAction):
+            continue
+        assert action.help, f"{action.option_strings} has no help text"
+        shown = action.default not in (None, False, [], argparse.SUPPRESS)
+        assert not shown or "default" in action.help, \
+            f"{action.option_strings}: its help does not say its default {action.default!r}"
