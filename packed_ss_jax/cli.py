@@ -64,9 +64,11 @@ def convert_main(argv: list[str] | None = None, prog: str = "packed-ss-convert",
 def _require_family(src: str, family, prog: str) -> None:
     """Refuses a source whose config.json names another model type than `family`'s."""
     from .config import read_hf_config
-    from .loading import resolve
+    from .hub import is_hub_name, resolve
 
-    model_type = read_hf_config(resolve(src)).get("model_type")
+    # A hub checkpoint's config is fetched first: its weights only once it is the family's.
+    model_type = read_hf_config(resolve(src, weights=False) if is_hub_name(src)
+                                and not os.path.exists(src) else src).get("model_type")
     if model_type != family.model_type:
         raise UsageError(f"{src} is not a {family.title} checkpoint (its config.json says "
                          f"model_type {model_type!r}, not {family.model_type!r}): {prog} "
@@ -337,6 +339,9 @@ def _serve_parser(prog: str) -> Parser:
                         f"(default {d.drain_timeout_s:g})")
     p.add_argument("--docs", action="store_true",
                    help="serve the interactive API docs at /docs and /openapi.json")
+    p.add_argument("--warmup-only", action="store_true",
+                   help="make every program ready (compiled, and kept on disk for the next "
+                        "start), then exit without listening: a deployment's build step")
     return p
 
 
@@ -359,9 +364,10 @@ def _limits(args):
                   allowed_origins=args.allowed_origins)
 
 
-def _serving_app(args, limits):
+def _serving_app(args, limits, warm: bool = False):
     """Loads the model and builds the HTTP app that serves it; returns (app, the model
-    id clients ask for). Refuses a schedule the model's family does not decode with."""
+    id clients ask for). Refuses a schedule the model's family does not decode with. Its
+    programs are made ready when it starts (`warm`: here, before it is returned)."""
     from .server import create_app, model_name
 
     model = load_model(args)
@@ -380,15 +386,16 @@ def _serving_app(args, limits):
         shape["branches"] = args.branches
     app = create_app(model, name, schedule=args.schedule, limits=limits, width=shape or None,
                      max_model_len=args.max_model_len, slots=args.max_num_seqs,
-                     steps=args.steps_per_launch, max_queue=args.max_queue, warm=False,
+                     steps=args.steps_per_launch, max_queue=args.max_queue, warm=warm,
                      on_ready=lambda error: _ready(app, error))
     d = app.app.state.decoder
     if args.schedule == "auto":
         auto = app.app.state.auto
         print(f"auto chose {auto['label']} for {auto['sequences']} slots (predicted "
               f"{auto['predicted_tokens_per_s']:.0f} tokens/s)", file=sys.stderr, flush=True)
-    print(f"making {d.programs} programs ready (compiled, or read from disk); /health "
-          "answers 503 until they are", file=sys.stderr, flush=True)
+    if not warm:
+        print(f"making {d.programs} programs ready (compiled, or read from disk); /health "
+              "answers 503 until they are", file=sys.stderr, flush=True)
     return app, name
 
 
@@ -450,6 +457,10 @@ def _serve(argv: list[str] | None, prog: str) -> int:
     from .server import serve
 
     limits = _limits(args)
+    if args.warmup_only:
+        app, _ = _serving_app(args, limits, warm=True)
+        _ready(app, None)
+        return 0
     sock = _listen(args.host, args.port)  # a port in use is refused before compiling
     try:
         app, name = _serving_app(args, limits)
@@ -486,8 +497,8 @@ USAGE = ("usage: packed-ss {generate,convert,bench,serve} ...\n\n"
 
 
 def version() -> str:
-    """`packed-ss --version`: read from the installed packages' metadata, so that asking
-    costs no import of JAX."""
+    """`packed-ss --version`: jax's and jaxlib's read from the installed packages'
+    metadata."""
     from importlib import metadata
 
     from . import __version__

@@ -234,6 +234,11 @@ class EngineClient:
         if self.draining:
             raise Draining()
         self.live.add(job)
+        # A warm-up that failed since the check above may have aborted every live job
+        # before this one was added: no decoder will ever take it.
+        if self.failed is not None:
+            self.live.discard(job)
+            raise Draining()
         self.jobs.put(job)
 
     def ended(self, job: Job) -> None:

@@ -41,6 +41,7 @@ def set_compile_cache(path: str | os.PathLike | None) -> Path | None:
     the rest of the process; returns the directory in use."""
     _state["explicit"] = "off" if path is None else os.fspath(path)
     _state["configured"] = False
+    _state["jax_cache"] = False
     return ensure()
 
 
@@ -72,6 +73,15 @@ def ensure() -> Path | None:
     jax_cache.reset_cache()
     _state["dir"] = path
     return path
+
+
+def jax_cache_instead() -> None:
+    """JAX's persistent cache in the cache directory after all: for a process whose
+    programs cannot be kept whole (several hosts, a backend that cannot serialize)."""
+    if _state["dir"] is not None and not _state.get("jax_cache"):
+        _state["jax_cache"] = True
+        jax_cache.set_cache_dir(str(_state["dir"]))
+        jax_cache.reset_cache()
 
 
 def keeps_executables() -> bool:

@@ -48,10 +48,15 @@ WARM_SUFFIX = ".warm.json"
 _ENTRY = re.compile(r"[0-9a-f]{40}" + re.escape(SUFFIX))
 _HEADER_MAX = 1 << 16
 _STALE_S = 3600
-_VERSIONED = ("format", "jax", "jaxlib", "platform", "devices", "package")
+_VERSIONED = ("format", "jax", "jaxlib", "libraries", "platform", "devices", "package")
 # JAX settings that change where programs are kept or what is logged, not the programs.
-_NOT_PROGRAM = ("cache", "log", "pprint", "traceback", "explain", "dump", "transfer_guard",
-                "source_url", "thread_guard")
+_NOT_PROGRAM = re.compile(
+    r"jax_(compilation_cache_\w+|persistent_cache_\w+|enable_compilation_cache|"
+    r"raise_persistent_cache_errors|explain_cache_misses|log_compiles|logging_level|"
+    r"debug_log_modules|pprint_use_color|traceback_filtering|traceback_in_locations_limit|"
+    r"include_full_tracebacks_in_locations|tracer_error_num_traceback_frames|dump_ir_to|"
+    r"dump_ir_modes|include_debug_info_in_dumps|transfer_guard\w*|source_url_schema|"
+    r"thread_guard|compiler_detailed_logging_min_ops)")
 log = logging.getLogger(__name__)
 
 
@@ -75,7 +80,10 @@ def directory() -> Path | None:
     that is on, trusted, and `PACKED_SS_EXECUTABLES` does not turn this off; only in a
     process of its own (several hosts compile together)."""
     cache = compile_cache.ensure()
-    if cache is None or not compile_cache.keeps_executables() or jax.process_count() > 1:
+    if cache is None or not compile_cache.keeps_executables():
+        return None
+    if jax.process_count() > 1:
+        compile_cache.jax_cache_instead()
         return None
     path = cache / "executables"
     try:
@@ -90,8 +98,18 @@ def max_bytes() -> int:
     try:
         return max(int(value), 0) if value else DEFAULT_MAX_BYTES
     except ValueError:
-        raise ValueError(f"{MAX_BYTES_ENV} must be a whole number of bytes, "
-                         f"got {value!r}") from None
+        _warn_once(f"packed_ss_jax: {MAX_BYTES_ENV}={value!r} is not a whole number of "
+                   f"bytes; using {DEFAULT_MAX_BYTES}")
+        return DEFAULT_MAX_BYTES
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message)
 
 
 @functools.cache
@@ -104,13 +122,28 @@ def package_digest() -> str:
     return h.hexdigest()
 
 
+@functools.cache
+def _libraries() -> str:
+    """The versions of the libraries a program is traced through besides jax."""
+    from importlib import metadata
+
+    def of(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "-"
+
+    return " ".join(f"{name} {of(name)}" for name in ("flax", "numpy", "ml_dtypes", "chex"))
+
+
 def _versions() -> dict:
     import jaxlib
 
     device = jax.devices()[0]
     return {"format": FORMAT, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "libraries": _libraries(),
             "platform": f"{device.platform} {device.client.platform_version}",
-            "devices": [d.device_kind for d in jax.devices()],
+            "devices": [f"{d.id}:{d.device_kind}" for d in jax.devices()],
             "package": package_digest()}
 
 
@@ -118,15 +151,25 @@ def _environment(identity) -> str:
     """What every program of a model depends on, as text: the versions, the model's
     compile identity, XLA_FLAGS and JAX's settings."""
     settings = {k: repr(v) for k, v in sorted(jax.config.values.items())
-                if not any(word in k for word in _NOT_PROGRAM)}
+                if not _NOT_PROGRAM.fullmatch(k)}
     return json.dumps({**_versions(), "identity": repr(identity), "settings": settings,
                        "xla_flags": os.environ.get("XLA_FLAGS", "")}, sort_keys=True)
 
 
+def placed(sharding) -> str:
+    """A sharding as text, with the devices it lies on in order (a mesh's text names
+    its axes only)."""
+    if sharding is None:
+        return ""
+    mesh = getattr(sharding, "mesh", None)
+    devices = (list(mesh.devices.flat) if mesh is not None and hasattr(mesh, "devices")
+               else sorted(sharding.device_set, key=lambda d: d.id))
+    return f"{sharding} on {[d.id for d in devices]}"
+
+
 def _leaf(x) -> str:
-    sharding = getattr(x, "sharding", None)
     return (f"{np.shape(x)}:{getattr(x, 'dtype', type(x).__name__)}:"
-            f"{getattr(x, 'weak_type', '')}:{sharding if sharding is not None else ''}")
+            f"{getattr(x, 'weak_type', '')}:{placed(getattr(x, 'sharding', None))}")
 
 
 def _program(key, args, donate) -> str:
@@ -193,9 +236,12 @@ def preload(identity, hold, limit: int, names=None, workers: int | None = None) 
     with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
         loaded = [(p.name, x) for p, x in zip(entries, pool.map(
             lambda p: _load(p, group[1]), entries)) if x]
-    for name, (key, exe) in loaded:
-        hold(key, exe, name)
-    return len(loaded)
+    held = set()
+    for name, (key, exe) in loaded:   # newest first: an older entry of a key is stale
+        if key not in held:
+            held.add(key)
+            hold(key, exe, name)
+    return len(held)
 
 
 def remember(identity, label: str, entries: dict[str, str | None]) -> None:
@@ -203,8 +249,12 @@ def remember(identity, label: str, entries: dict[str, str | None]) -> None:
     the name of its entry (None: not kept)."""
     group = _group(identity)
     if group is not None:
-        _write(group[0] / (_digest(label)[:40] + WARM_SUFFIX),
-               json.dumps(entries, sort_keys=True).encode())
+        try:
+            _write(group[0] / (_digest(label)[:40] + WARM_SUFFIX),
+                   json.dumps(entries, sort_keys=True).encode())
+        except OSError as e:
+            _warn_once(f"packed_ss_jax: cannot note a warm-up in {group[0]} "
+                       f"({e.strerror or e})")
 
 
 def recall(identity, label: str) -> dict[str, str | None] | None:
@@ -223,7 +273,7 @@ def recall(identity, label: str) -> dict[str, str | None] | None:
         try:
             _check_owner(os.fstat(f.fileno()))
             entries = json.loads(f.read(_HEADER_MAX * 16))
-        except (Unusable, ValueError):
+        except (Unusable, ValueError, OSError, RecursionError):
             return None
     ok = isinstance(entries, dict) and all(
         isinstance(k, str) and (v is None or isinstance(v, str)) for k, v in entries.items())
@@ -266,19 +316,11 @@ def _read(path: Path, environment: str, program: str | None):
         raise
     except OSError as e:
         raise Unusable(f"cannot be opened: {e.strerror or e}") from None
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        _check_owner(info)
-        if info.st_size > max_bytes():
-            raise Unusable(f"{info.st_size} bytes, over the bound of {max_bytes()}")
-        if f.readline(len(MAGIC) + 1) != MAGIC:
-            raise Unusable("not an entry of this kind")
-        try:
-            header = json.loads(f.readline(_HEADER_MAX))
-            _check_header(header, environment, program)
-            payload = f.read()
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise Unusable(f"damaged header: {e}") from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            header, payload = _contents(f, environment, program)
+    except OSError as e:
+        raise Unusable(f"cannot be read: {e.strerror or e}") from None
     if len(payload) != header["bytes"] or hashlib.sha256(payload).hexdigest() != header["sha256"]:
         raise Unusable("truncated or damaged: its checksum does not match")
     try:
@@ -286,6 +328,22 @@ def _read(path: Path, environment: str, program: str | None):
         return key, serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
     except Exception as e:   # anything a stale executable can raise when loaded
         raise Unusable(f"failed to load: {type(e).__name__}: {e}"[:300]) from None
+
+
+def _contents(f, environment: str, program: str | None) -> tuple[dict, bytes]:
+    """An open entry's checked header and its payload."""
+    info = os.fstat(f.fileno())
+    _check_owner(info)
+    if info.st_size > max_bytes():
+        raise Unusable(f"{info.st_size} bytes, over the bound of {max_bytes()}")
+    if f.readline(len(MAGIC) + 1) != MAGIC:
+        raise Unusable("not an entry of this kind")
+    try:
+        header = json.loads(f.readline(_HEADER_MAX))
+        _check_header(header, environment, program)
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise Unusable(f"damaged header: {e}"[:300]) from None
+    return header, f.read()
 
 
 def _check_owner(info: os.stat_result) -> None:
@@ -319,6 +377,7 @@ def _store(path: Path, environment: str, program: str, key, exe) -> bool:
         payload = pickle.dumps((key, *serialize_executable.serialize(exe)))
     except Exception as e:   # a backend or program that cannot be serialized
         log.debug("packed_ss_jax: %s not kept on disk: %s", key, e)
+        compile_cache.jax_cache_instead()
         return False
     want = json.loads(environment)
     header = {field: want[field] for field in _VERSIONED}
@@ -327,8 +386,13 @@ def _store(path: Path, environment: str, program: str, key, exe) -> bool:
     data = MAGIC + json.dumps(header).encode() + b"\n" + payload
     if len(data) > max_bytes():
         return False
-    _write(path, data)
-    _bound(path.parent.parent, max_bytes())
+    try:
+        _write(path, data)
+        _bound(path.parent.parent, max_bytes())
+    except OSError as e:   # a full disk, a read-only cache: the program runs, unkept
+        _warn_once(f"packed_ss_jax: compiled programs cannot be kept in {path.parent} "
+                   f"({e.strerror or e}); compiling them in every process")
+        return False
     return True
 
 

@@ -30,19 +30,25 @@ class HubError(FileNotFoundError):
 
 
 def is_hub_name(name) -> bool:
-    return isinstance(name, str) and HUB_NAME.match(name) is not None
+    """Whether `name` reads as a hub id and not as a local path: ORG/NAME[@REVISION]
+    where no ORG directory exists here (a typo in out/model is a missing directory,
+    never a download)."""
+    return (isinstance(name, str) and HUB_NAME.match(name) is not None
+            and not Path(name.split("/")[0]).is_dir())
 
 
-def resolve(name: str, revision: str | None = None) -> Path:
+def resolve(name: str, revision: str | None = None, weights: bool = True) -> Path:
     """The local snapshot directory of hub checkpoint `name` (`ORG/NAME[@REVISION]`; a
     `revision` given here wins over one in the name), downloading what it lacks unless
-    the hub is offline."""
+    the hub is offline (`weights` False: the config, tokenizer and adapter only)."""
     repo, rev = HUB_NAME.match(name).group("repo", "rev")
     revision = revision or rev
     if importlib.util.find_spec("huggingface_hub") is None:
         raise HubError(f"{name} names a Hugging Face hub checkpoint, which needs the "
                        "huggingface_hub package: pip install huggingface_hub")
     folder = _snapshot(name, repo, revision, META)
+    if not weights:
+        return folder
     for files in _weights(folder):
         folder = _snapshot(name, repo, revision, files)
         if all((folder / f).is_file() for f in files):
@@ -57,7 +63,11 @@ def _snapshot(name: str, repo: str, revision: str | None, patterns: list[str]) -
 
     try:
         return Path(snapshot_download(repo, revision=revision, allow_patterns=patterns))
-    except LocalEntryNotFoundError:
+    except LocalEntryNotFoundError as e:
+        # Offline, a snapshot whose cached listing names files it lacks (optional ones
+        # among them): what a reader needs is checked by `_check_complete`.
+        if getattr(e, "snapshot_path", None):
+            return Path(e.snapshot_path)
         raise HubError(f"{name}: not in the hub cache ({constants.HF_HUB_CACHE})"
                        + _fetch_hint(repo, revision)) from None
     except (HfHubHTTPError, OSError, ValueError) as e:

@@ -151,7 +151,7 @@ def identity(model) -> tuple:
 
 def _placement(params) -> tuple:
     """Where the weights lie, as far as a compiled program depends on it: nothing on one
-    device, else every weight's sharding."""
+    device, else every weight's sharding with its devices."""
     if sharding.mesh_of(params) is None:
         return ()
-    return tuple(x.sharding for x in jax.tree.leaves(params))
+    return tuple(executables.placed(x.sharding) for x in jax.tree.leaves(params))

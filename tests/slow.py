@@ -155,6 +155,8 @@ SLOW: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "test_executables.py::test_loaded_programs_give_the_compiled_tokens":
         ("three processes decoding both embedded models, compiling and reading back (the "
          "in-process checks stay)", None),
+    "test_server_start.py::test_warmup_only_makes_the_programs_ready_and_exits":
+        ("a server's programs compiled, then read back", None),
     "test_scripts.py::test_startup":
         ("server and decode processes started cold and warm (the script's --help stays)",
          None),

@@ -279,6 +279,8 @@ def test_every_flag_says_what_it_does_and_its_default(build):
         if not action.option_strings or isinstance(action, argparse._HelpAction):
             continue
         assert action.help, f"{action.option_strings} has no help text"
-        shown = action.default not in (None, False, [], argparse.SUPPRESS)
+        flag = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+        shown = not flag and action.default is not None and action.default not in (
+            [], (), argparse.SUPPRESS)
         assert not shown or "default" in action.help, \
             f"{action.option_strings}: its help does not say its default {action.default!r}"

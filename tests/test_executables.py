@@ -205,4 +205,20 @@ def test_a_second_server_start_reads_its_programs_and_runs_none(kept, monkeypatc
                              {"model": "nld-tiny", "prompt": prompt, "max_tokens": 8,
                               "temperature": 0})
     assert code == 200, body
+    assert set(d.engine.executables()) == held   # the request compiled nothing more
     assert body["packed_ss"]["token_ids"] == ps.decode(model, prompt, max_new_tokens=8).tokens
+
+
+def test_a_cache_that_cannot_be_written_costs_one_warning(kept, monkeypatch, caplog):
+    import errno
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(executables, "_write", full)
+    model = ps.load()
+    with caplog.at_level(logging.WARNING, logger="packed_ss_jax.executables"):
+        tokens = _decode(model)
+        assert _decode(model) == tokens
+    lines = [r.getMessage() for r in caplog.records if r.name == "packed_ss_jax.executables"]
+    assert len(lines) == 1 and "No space left on device" in lines[0], lines

@@ -6,6 +6,7 @@ server."""
 
 import concurrent.futures
 import threading
+import time
 
 import pytest
 
@@ -40,6 +41,7 @@ def test_health_is_starting_until_ready_and_requests_wait(monkeypatch):
             asked = pool.submit(request, base, "POST", "/v1/completions",
                                 {"model": "nld-tiny", "prompt": PROMPT, "max_tokens": 8,
                                  "temperature": 0}, timeout=300)
+            _until_queued(base, 1)
             release.set()
             code, body = asked.result(timeout=300)
         assert code == 200, body
@@ -50,8 +52,17 @@ def test_health_is_starting_until_ready_and_requests_wait(monkeypatch):
     assert told == [None]
 
 
-def _failing(monkeypatch):
+def _until_queued(base: str, n: int) -> None:
+    for _ in range(600):
+        if request(base, "GET", "/health")[1]["queued"] == n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{n} requests never queued")
+
+
+def _failing(monkeypatch, hold: threading.Event | None = None):
     def fail(self, *args):
+        assert hold is None or hold.wait(120)
         raise RuntimeError("no room for the programs")
 
     monkeypatch.setattr(EngineClient, "_run_each", fail)
@@ -72,6 +83,20 @@ def test_a_failed_warm_up_is_reported_and_refuses_requests(monkeypatch):
     assert len(told) == 1 and isinstance(told[0], RuntimeError)
 
 
+def test_a_request_waiting_when_the_warm_up_fails_gets_503(monkeypatch):
+    release = threading.Event()
+    _failing(monkeypatch, release)
+    with in_process(_app()) as base:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            asked = pool.submit(request, base, "POST", "/v1/completions",
+                                {"model": "nld-tiny", "prompt": PROMPT, "max_tokens": 4},
+                                timeout=120)
+            _until_queued(base, 1)
+            release.set()
+            code, body = asked.result(timeout=120)
+    assert code == 503 and "the server failed to start" in body["error"]["message"], body
+
+
 def test_serve_stops_when_the_warm_up_fails(monkeypatch):
     _failing(monkeypatch)
     sock = bind("127.0.0.1", 0)
@@ -89,3 +114,24 @@ def test_a_state_that_cannot_fit_is_refused_before_listening():
     with pytest.raises(ps.InputError, match="max-model-len|max-num-seqs"):
         create_app(MODEL, "nld-tiny", max_model_len=MODEL.config.max_position_embeddings,
                    slots=10**6, warm=False)
+
+
+def test_warmup_only_makes_the_programs_ready_and_exits(tmp_path, monkeypatch, capsys,
+                                                        run_compile_cache):
+    """`packed-ss serve --warmup-only`: a deployment's build step fills the cache, and
+    a second run reads every program from it; neither listens."""
+    from packed_ss_jax import cli, compile_cache, programs
+
+    monkeypatch.setenv(compile_cache.EXECUTABLES_ENV, "on")
+    argv = ["serve", "--warmup-only", "--max-model-len", "32", "--compile-cache",
+            str(tmp_path / "cache")]
+    try:
+        for read in (False, True):
+            programs.clear_programs()
+            assert cli.main(argv) == 0
+            err = capsys.readouterr().err
+            assert "ready in" in err and "serving" not in err, err
+            assert ("read from disk" in err) == read, err
+    finally:
+        programs.clear_programs()
+        compile_cache.set_compile_cache(run_compile_cache)
