@@ -497,11 +497,9 @@ USAGE = ("usage: packed-ss {generate,convert,bench,serve} ...\n\n"
 
 
 def version() -> str:
-    """`packed-ss --version`: jax's and jaxlib's read from the installed packages'
-    metadata."""
+    """`packed-ss --version`: this package's version, jax's and jaxlib's, from the
+    installed packages' metadata."""
     from importlib import metadata
-
-    from . import __version__
 
     def of(name: str) -> str:
         try:
@@ -509,7 +507,7 @@ def version() -> str:
         except metadata.PackageNotFoundError:
             return "not installed"
 
-    return f"packed-ss {__version__} (jax {of('jax')}, jaxlib {of('jaxlib')})"
+    return f"packed-ss {of('packed-ss-jax')} (jax {of('jax')}, jaxlib {of('jaxlib')})"
 
 
 def main(argv: list[str] | None = None) -> int:

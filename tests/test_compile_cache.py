@@ -34,13 +34,15 @@ print(json.dumps({"compile_s": r.compile_s, "tokens": r.tokens,
 """
 
 
-def _run(env_value, tmp_path):
+def _run(env_value, tmp_path, child: str = CHILD, **env):
+    """`child` run by a new Python process on this checkout's package, with the cache
+    `env_value` and `env`; the JSON its last line prints."""
     root = str(Path(packed_ss_jax.__file__).resolve().parents[1])  # this checkout's package
-    env = dict(os.environ, PACKED_SS_COMPILE_CACHE=env_value,
+    env = dict(os.environ, PACKED_SS_COMPILE_CACHE=env_value, **env,
                PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
-                         text=True, timeout=300, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True,
+                         text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

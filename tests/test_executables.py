@@ -7,8 +7,6 @@ import json
 import logging
 import os
 import stat
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import pytest
 import packed_ss_jax
 import packed_ss_jax as ps
 from packed_ss_jax import compile_cache, executables, programs
+from test_compile_cache import _run as run_child
 
 # The child decodes with both embedded models, greedy and sampled, and reports JAX's
 # trace and XLA compile events of those decodes (not of the loads): none when every
@@ -44,14 +43,8 @@ print(json.dumps({"tokens": out,
 
 
 def _child(cache: Path, tmp_path: Path, executables_on: bool = True) -> dict:
-    root = str(Path(packed_ss_jax.__file__).resolve().parents[1])
-    env = dict(os.environ, PACKED_SS_COMPILE_CACHE=str(cache),
-               PACKED_SS_EXECUTABLES="on" if executables_on else "off",
-               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
-                         text=True, timeout=600, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_child(str(cache), tmp_path, CHILD,
+                     PACKED_SS_EXECUTABLES="on" if executables_on else "off")
 
 
 def test_loaded_programs_give_the_compiled_tokens(tmp_path):
