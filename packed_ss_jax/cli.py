@@ -68,7 +68,7 @@ def _require_family(src: str, family, prog: str) -> None:
 
     # A hub checkpoint's config is fetched first: its weights only once it is the family's.
     model_type = read_hf_config(resolve(src, weights=False) if is_hub_name(src)
-                                and not os.path.exists(src) else src).get("model_type")
+                                else src).get("model_type")
     if model_type != family.model_type:
         raise UsageError(f"{src} is not a {family.title} checkpoint (its config.json says "
                          f"model_type {model_type!r}, not {family.model_type!r}): {prog} "

@@ -79,7 +79,7 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "bfloat16", lora: boo
     """
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; expected one of {DTYPES}")
-    if hub.is_hub_name(src) and not Path(src).exists():
+    if hub.is_hub_name(src):   # never a path that exists here
         src = hub.resolve(src)
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
