@@ -344,9 +344,7 @@ class EngineClient:
     def _drop(self, job: Job) -> None:
         """A waiting job whose client went away: counted once, never started."""
         if not job.finished:
-            job.finished = True
-            self.cancelled += 1
-            self.observer.ended("cancelled")
+            self._end_early(job, "cancelled")
 
     def _launch(self) -> None:
         """`steps` iterations of every slot, and what they made final handed out."""
@@ -416,19 +414,25 @@ class EngineClient:
         if job.finished:
             return
         if job.cancelled.is_set():
-            self.cancelled += 1
-            self.observer.ended("cancelled")
-            job.finished = True
+            self._end_early(job, "cancelled")
             return
         if error is not None:
-            self.observer.ended("error")
-            job.open = 0
             job.put(error)
+            self._end_early(job, "error")
         else:
             job.open -= 1
         if job.open == 0:
             job.finished = True
             job.put(None)
+
+    def _end_early(self, job: Job, outcome: str) -> None:
+        """A job ended early ("cancelled": its client left; "error"): each of its choices
+        still open ends so (the metrics count choices), the job once."""
+        if outcome == "cancelled":
+            self.cancelled += 1
+        for _ in range(job.open):
+            self.observer.ended(outcome)
+        job.open, job.finished = 0, True
 
     def _fail_all(self, error: Exception) -> None:
         """An error no single request caused: every seated request ends with it and its

@@ -149,11 +149,19 @@ def test_bad_requests_get_4xx_with_an_openai_error(server, path, body, status, p
         assert error["param"] == param, error
 
 
+def _cancelled_choices(base: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = _http(base, "GET", "/metrics")[1]
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "packed_ss_requests_total" and s.labels["outcome"] == "cancelled")
+
+
 def test_a_client_leaving_mid_stream_frees_the_decoder(server, client):
     base = server[1]
-    before = _health(base)["cancelled"]
+    before, choices_before = _health(base)["cancelled"], _cancelled_choices(base)
     body = {"model": "nld-tiny", "prompt": _question(1), "max_tokens": 600, "temperature": 0,
-            "stream": True}
+            "stream": True, "n": 3}
     host, port = base.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     try:
@@ -169,6 +177,9 @@ def test_a_client_leaving_mid_stream_frees_the_decoder(server, client):
     while _health(base)["cancelled"] == before:
         assert time.monotonic() < deadline, "the abandoned request was never cancelled"
         time.sleep(0.05)
+    # One request, its three choices each counted by /metrics.
+    assert _health(base)["cancelled"] == before + 1
+    assert _cancelled_choices(base) == choices_before + 3
     # The decoder is free: the next request is served.
     r = client.completions.create(model="nld-tiny", prompt=_question(2), max_tokens=MAX_TOKENS,
                                   temperature=0)

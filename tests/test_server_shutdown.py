@@ -3,6 +3,7 @@ and compiling, every client gets a 200 or an OpenAI-shaped error (a stream ends 
 error event, then `data: [DONE]`), and the process exits with status 0 within the drain
 bound, without a traceback."""
 
+import http.client
 import json
 import random
 import shutil
@@ -124,3 +125,26 @@ def test_requests_still_preparing_or_uploading_get_a_503_at_the_deadline(tmp_pat
     head, _, rest = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 503") and is_openai_error(json.loads(rest)), reply
     assert "Traceback" not in server.output, server.output
+
+
+def test_a_request_on_an_idle_keep_alive_connection_while_draining_gets_a_json_503():
+    with running("--drain-timeout", str(DRAIN)) as server:
+        host, port = server.base.removeprefix("http://").split(":")
+        idle = http.client.HTTPConnection(host, int(port), timeout=30)
+        idle.request("GET", "/health")
+        first = idle.getresponse()
+        assert first.status == 200 and first.read()
+        out: dict = {}
+        streaming = threading.Thread(target=_client, args=(server.base, 1, out))
+        streaming.start()   # in flight when the signal comes: the drain lasts
+        time.sleep(1.0)
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        idle.request("POST", "/v1/completions", body=json.dumps(_body(2)).encode(),
+                     headers={"content-type": "application/json"})
+        reply = idle.getresponse()
+        assert reply.status == 503 and is_openai_error(json.loads(reply.read()))
+        idle.close()
+        streaming.join(timeout=60)
+        assert server.proc.wait(timeout=EXIT_BOUND) == 0, server.output[-3000:]
+    assert _well_ended(*out[1]), out

@@ -213,6 +213,29 @@ def test_a_field_the_server_would_not_act_on_is_a_400_naming_it(base, field, val
     assert code == 400 and got["error"]["param"] == field, got
 
 
+def test_every_field_the_server_would_not_act_on_is_named(base):
+    body = {"model": "nld-tiny", "prompt": "Question:", "max_tokens": 2, "colour": 1,
+            "frequency": 2}
+    code, got = request(base, "POST", "/v1/completions", body)
+    assert code == 400 and got["error"]["param"] == "colour, frequency", got
+    assert "'colour'" in got["error"]["message"] and "'frequency'" in got["error"]["message"]
+    code, got = request(base, "POST", "/v1/completions", {**body, "best_of": 3})
+    assert code == 400 and got["error"]["param"] == "best_of, colour, frequency", got
+    assert got["error"]["code"] == "unsupported_parameter"
+
+
+@pytest.mark.parametrize("path, field", [("/v1/completions", "prompt"),
+                                         ("/v1/chat/completions", "messages")])
+def test_stream_options_without_stream_is_a_400(base, path, field):
+    body = {"model": "nld-tiny", "max_tokens": 2, "stream_options": {"include_usage": True},
+            field: "Question:" if field == "prompt" else [{"role": "user", "content": "Hi"}]}
+    code, got = request(base, "POST", path, body)
+    assert code == 400 and got["error"]["param"] == "stream_options", got
+    assert "stream: true" in got["error"]["message"]
+    code, got = request(base, "POST", path, {**body, "stream_options": None})
+    assert code == 200, got
+
+
 def test_neutral_values_and_text_parts_are_accepted(client):
     r = client.chat.completions.create(
         model="nld-tiny", max_tokens=6, temperature=0, presence_penalty=0, logprobs=False,

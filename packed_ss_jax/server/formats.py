@@ -133,17 +133,33 @@ class DetokenizeBody(BaseModel):
 
 def refuse_unused(body: Body) -> None:
     """A field this server would not act on is a 400 that names it (OpenAI fields it does
-    not implement, unless sent with the value that asks for nothing; unknown fields),
-    never silently ignored; DESCRIPTIVE fields are accepted."""
+    not implement, unless sent with the value that asks for nothing; unknown fields;
+    `stream_options` without `stream`), never silently ignored; DESCRIPTIVE fields are
+    accepted. Several such fields: the 400 names every one."""
+    unsupported, unknown = [], []
     for name, value in (body.model_extra or {}).items():
         if name in DESCRIPTIVE:
             continue
         if name in UNSUPPORTED:
-            if any(_same(value, v) for v in UNSUPPORTED[name]):
-                continue
-            raise APIError(400, f"{name} is not supported by this server", param=name,
-                           code="unsupported_parameter")
-        raise APIError(400, f"unknown field {name!r}", param=name, code="unknown_parameter")
+            if not any(_same(value, v) for v in UNSUPPORTED[name]):
+                unsupported.append(name)
+            continue
+        unknown.append(name)
+    if unsupported:
+        raise APIError(400, f"{_listed(unsupported)} {'is' if len(unsupported) == 1 else 'are'}"
+                            f" not supported by this server"
+                            + (f"; unknown: {_listed(unknown)}" if unknown else ""),
+                       param=", ".join(unsupported + unknown), code="unsupported_parameter")
+    if unknown:
+        raise APIError(400, f"unknown field{'s' * (len(unknown) > 1)} {_listed(unknown)}",
+                       param=", ".join(unknown), code="unknown_parameter")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options applies to a streamed response: it needs "
+                            "stream: true", param="stream_options")
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(repr(n) for n in names)
 
 
 def _same(value, neutral) -> bool:

@@ -85,8 +85,10 @@ def _log_access() -> None:
 
 
 class _Draining(uvicorn.Server):
-    """uvicorn's server whose first exit signal starts the decoder's drain: new requests
-    get 503 at once, the ones in flight are ended with 503 at the drain deadline."""
+    """uvicorn's server whose first exit signal drains: the listening socket closes, a
+    request on a connection already open gets a JSON 503 at once, the ones in flight are
+    ended with 503 at the drain deadline; uvicorn's own shutdown (which closes the idle
+    connections) starts once none is left in flight. A second signal starts it now."""
 
     def __init__(self, config, decoder, deadline, limits: Limits):
         super().__init__(config)
@@ -109,10 +111,23 @@ class _Draining(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def handle_exit(self, sig, frame) -> None:
-        if not self.decoder.draining:
-            self.decoder.draining = True
-            # A signal handler runs between two steps of the event loop, on its thread.
-            loop = asyncio.get_running_loop()
-            loop.call_soon_threadsafe(loop.call_later, self.limits.drain_timeout_s,
-                                      self.deadline)
-        super().handle_exit(sig, frame)
+        if self.decoder.draining:
+            super().handle_exit(sig, frame)
+            return
+        self.decoder.draining = True
+        # A signal handler runs between two steps of the event loop, on its thread.
+        asyncio.get_running_loop().call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        for server in self.servers:
+            server.close()   # no new connection; the open ones stay until the drain ends
+        asyncio.get_running_loop().call_later(self.limits.drain_timeout_s, self._deadline)
+
+    def _deadline(self) -> None:
+        self.deadline()
+        self.should_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.decoder.draining and not self.server_state.tasks:
+            self.should_exit = True   # nothing in flight: the drain has ended
+        return await super().on_tick(counter)
