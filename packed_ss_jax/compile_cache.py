@@ -91,10 +91,13 @@ def keeps_executables() -> bool:
     return value is None or value.strip().lower() not in OFF
 
 
-def trusted(path: Path) -> Path | None:
-    """`path`'s real directory if it may hold compiled programs, else None (with one
-    warning). JAX gets the real directory, so a symbolic link swapped later does not move
-    this process's cache."""
+def trusted(path: Path, what: str = "the compile cache",
+            choose: str = f"--compile-cache or ${ENV}",
+            instead: str = "compiling without it") -> Path | None:
+    """`path`'s real directory if it may hold compiled programs (or other files this
+    process acts on: `what`, chosen with `choose`; without it, `instead`), else None
+    (with one warning). JAX gets the real directory, so a symbolic link swapped later
+    does not move this process's cache."""
     try:
         real = Path(os.path.realpath(path))
         problem = _distrust(real)
@@ -104,11 +107,22 @@ def trusted(path: Path) -> Path | None:
         return real
     if str(path) not in _warned:
         _warned.add(str(path))
-        what, fix = problem
-        other = f"choose {'another' if fix else 'a'} directory of your own with " \
-                f"--compile-cache or ${ENV}"
-        log.warning(f"packed_ss_jax: not using the compile cache {str(path)!r}: it {what} "
-                    f"(fix: {f'{fix}, or {other}' if fix else other}); compiling without it")
+        problem_text, fix = problem
+        other = f"choose {'another' if fix else 'a'} directory of your own with {choose}"
+        log.warning(f"packed_ss_jax: not using {what} {str(path)!r}: it {problem_text} "
+                    f"(fix: {f'{fix}, or {other}' if fix else other}); {instead}")
+    return None
+
+
+def file_problem(info: os.stat_result) -> str | None:
+    """Why a file (its `os.fstat`) in a trusted directory must not be acted on: not a
+    regular file, another user's, or writable by others than its owner; None if it may."""
+    if not stat.S_ISREG(info.st_mode):
+        return "not a regular file"
+    if hasattr(os, "geteuid") and info.st_uid != os.geteuid():
+        return f"owned by user {info.st_uid}, not by this user"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return "writable by group or others"
     return None
 
 

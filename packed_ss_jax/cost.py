@@ -26,6 +26,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from . import compile_cache
 from .calls import causal
 
 ENV = "PACKED_SS_COST_DIR"
@@ -33,6 +34,7 @@ ROWS = (1, 8, 32, 128)      # the calibration's row counts
 SLOTS = (256, 2048)         # and cache sizes (capped at the model's context)
 REPEAT = 8                  # calls per timed loop
 VERSION = 1                 # of the file's layout
+MAX_FILE_BYTES = 1 << 20    # a calibration file holds a few kB: a larger one is not one
 
 log = logging.getLogger(__name__)
 
@@ -164,26 +166,65 @@ def default_dir() -> Path:
     return Path(base) / "packed_ss_jax" / "cost"
 
 
-def load_or_calibrate(model, directory: str | os.PathLike | None = "default",
-                      **calibration) -> CostModel:
-    """The model's cost calibration from `directory` (default `$PACKED_SS_COST_DIR`, else
-    `default_dir()`; None: neither read nor written), measured and stored when there is
-    none for its id. `calibration`: `calibrate`'s keyword arguments, for a new
-    measurement (a kept calibration is returned whatever grid it was measured at)."""
-    wanted = calibration_id(model)
+def folder(directory: str | os.PathLike | None = "default") -> Path | None:
+    """Where calibrations are kept: `directory` ("default": `$PACKED_SS_COST_DIR`, else
+    `default_dir()`), made if missing, when no other user can write to it (the checks
+    of the compilation cache, compile_cache.trusted: else one warning); None: neither
+    read nor written."""
     if directory == "default":
         directory = os.environ.get(ENV) or default_dir()
-    path = None if directory is None else Path(directory) / f"{wanted}.json"
-    if path is not None and path.is_file():
-        try:
-            found = CostModel.from_json(json.loads(path.read_text()))
+    if directory is None:
+        return None
+    path = Path(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError:
+        pass   # said by `trusted`, which cannot check it either
+    return compile_cache.trusted(path, "the calibration folder", f"${ENV}",
+                                 "measuring without keeping the measurement")
+
+
+def read_json(path: Path):
+    """The JSON in the calibration file `path` (None: there is none). ValueError naming
+    why a file there is not read: not a regular file this user alone can write, larger
+    than MAX_FILE_BYTES, or not JSON (RecursionError: nested past any use)."""
+    try:   # a FIFO would block a plain open; a link is not followed
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ValueError(f"cannot be opened: {e.strerror or e}") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if (problem := compile_cache.file_problem(info)) is not None:
+            raise ValueError(problem)
+        data = f.read(MAX_FILE_BYTES + 1)
+    if max(len(data), info.st_size) > MAX_FILE_BYTES:
+        raise ValueError(f"{max(len(data), info.st_size)} bytes, over the bound of "
+                         f"{MAX_FILE_BYTES}")
+    return json.loads(data)
+
+
+def load_or_calibrate(model, directory: str | os.PathLike | None = "default",
+                      **calibration) -> CostModel:
+    """The model's cost calibration from `directory` (see `folder`; None: neither read
+    nor written), measured and stored when there is none for its id that can be
+    trusted. `calibration`: `calibrate`'s keyword arguments, for a new measurement (a
+    kept calibration is returned whatever grid it was measured at)."""
+    wanted = calibration_id(model)
+    where = folder(directory)
+    path = None if where is None else where / f"{wanted}.json"
+    try:
+        data = None if path is None else read_json(path)
+        if data is not None:
+            found = CostModel.from_json(data)
             if found.calibration_id == wanted:
                 return found
             log.warning("%s holds another model's calibration; measuring anew", path)
-        except (OSError, ValueError, OverflowError, RecursionError) as e:   # JSONDecodeError
-            # is a ValueError; a hostile file may nest or size its numbers past any use
-            log.warning("%s is not a readable cost calibration (%s); measuring anew", path,
-                        type(e).__name__ if isinstance(e, RecursionError) else e)
+    except (ValueError, OverflowError, RecursionError) as e:   # JSONDecodeError is a
+        # ValueError; a hostile file may nest or size its numbers past any use
+        log.warning("%s is not a readable cost calibration (%s); measuring anew", path,
+                    type(e).__name__ if isinstance(e, RecursionError) else e)
     measured = calibrate(model, **calibration)
     if path is not None:
         try:

@@ -347,12 +347,8 @@ def _contents(f, environment: str, program: str | None) -> tuple[dict, bytes]:
 
 
 def _check_owner(info: os.stat_result) -> None:
-    if not stat.S_ISREG(info.st_mode):
-        raise Unusable("not a regular file")
-    if hasattr(os, "geteuid") and info.st_uid != os.geteuid():
-        raise Unusable(f"owned by user {info.st_uid}, not by this user")
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise Unusable("writable by group or others")
+    if (problem := compile_cache.file_problem(info)) is not None:
+        raise Unusable(problem)
 
 
 def _check_header(header: dict, environment: str, program: str | None) -> None:

@@ -249,9 +249,7 @@ class Planner:
         self.calibration_s += time.perf_counter() - t0
 
     def _path(self, c: Candidate) -> Path | None:
-        directory = self.directory
-        if directory == "default":
-            directory = os.environ.get(cost_lib.ENV) or cost_lib.default_dir()
+        directory = cost_lib.folder(self.directory)
         if directory is None:
             return None
         if self._weights is None:
@@ -368,17 +366,17 @@ class Planner:
 def _read(path: Path | None, c: Candidate) -> Tally | None:
     """The prior of `c` kept in `path`; None (and a warning for a file that is there)
     when there is none to trust: such a file is measured anew and replaced."""
-    if path is None or not path.is_file():
-        return None
     try:
-        data = json.loads(path.read_text())
+        data = None if path is None else cost_lib.read_json(path)
+        if data is None:
+            return None
         if not isinstance(data, dict) or data.get("version") != VERSION:
             raise ValueError("not an acceptance calibration of this version")
         prior = AcceptanceModel.from_prior_json(data["prior"]).prior
         if list(prior) != [c]:
             raise ValueError(f"not a calibration of {c} alone")
         return prior[c]
-    except (OSError, ValueError, KeyError, OverflowError, RecursionError) as e:
+    except (ValueError, KeyError, OverflowError, RecursionError) as e:
         log.warning("%s is not a readable acceptance calibration (%s); measuring anew", path,
                     type(e).__name__ if isinstance(e, RecursionError) else e)
         return None

@@ -5,6 +5,8 @@ and decodes through it: exact (greedy equals the reference, sampled equals the c
 schedule with the same seed), the choice in the result, the decodes fed back."""
 
 import json
+import logging
+import os
 import re
 
 import jax.numpy as jnp
@@ -411,3 +413,30 @@ def test_a_hostile_acceptance_file_is_measured_anew(model, tmp_path, text):
     again.calibrate([[3, 4]], candidates=[PACKED])
     assert again.acceptance.tokens_per_iteration(PACKED) == 5.0   # measured, and kept
     assert json.loads(path.read_text())["prior"][0][1] == 5.0
+
+
+@pytest.mark.parametrize("damage", ["oversized", "world-writable", "fifo"])
+def test_an_oversized_or_open_acceptance_file_is_one_warning_and_measured_anew(
+        model, tmp_path, caplog, damage):
+    p = planner_lib.Planner(Engine(model), cost=_cost(), candidates=(AR, PACKED),
+                            directory=tmp_path)
+    p._decode = lambda c: Tally(2.0, 1.0)
+    p.calibrate([[3, 4]], candidates=[PACKED])
+    (path,) = tmp_path.iterdir()
+    if damage == "world-writable":
+        path.chmod(0o666)
+    else:
+        path.unlink()
+        if damage == "fifo":
+            os.mkfifo(path)
+        else:   # 16 GB, sparse: read whole it would not fit in memory
+            with open(path, "wb") as f:
+                f.truncate(16 << 30)
+    again = planner_lib.Planner(Engine(model), cost=_cost(), candidates=(AR, PACKED),
+                                directory=tmp_path)
+    again._decode = lambda c: Tally(5.0, 1.0)
+    with caplog.at_level(logging.WARNING):
+        again.calibrate([[3, 4]], candidates=[PACKED])
+    assert again.acceptance.tokens_per_iteration(PACKED) == 5.0   # measured anew
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and str(path) in warnings[0].getMessage(), caplog.text

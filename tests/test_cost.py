@@ -5,6 +5,7 @@ key, read back, and measured anew (never trusted) when it is broken or another k
 import json
 import logging
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -84,9 +85,11 @@ def test_a_broken_or_foreign_file_is_measured_anew(tmp_path, caplog, content):
 def test_a_directory_that_cannot_be_written_keeps_the_measurement(tmp_path, caplog):
     blocked = tmp_path / "a-file"
     blocked.write_text("")
-    with caplog.at_level(logging.WARNING, logger="packed_ss_jax.cost"):
+    with caplog.at_level(logging.WARNING):
         c = cost.load_or_calibrate(MODEL, blocked / "cost", **SMALL)
-    assert c.calibration_id == cost.calibration_id(MODEL) and "could not keep" in caplog.text
+    assert c.calibration_id == cost.calibration_id(MODEL)
+    assert "not using the calibration folder" in caplog.text
+    assert "measuring without keeping" in caplog.text
 
 
 def test_without_a_directory_nothing_is_written(tmp_path, monkeypatch):
@@ -107,3 +110,61 @@ def test_a_hostile_cost_file_is_measured_anew(tmp_path, text):
     again = cost.load_or_calibrate(MODEL, tmp_path, **SMALL)
     assert again.calibration_id == first.calibration_id
     assert json.loads(path.read_text())["key"] == first.calibration_id   # the file's name for it
+
+
+def _sparse(path, size: int) -> None:
+    with open(path, "wb") as f:
+        f.truncate(size)
+
+
+def _another_user(monkeypatch) -> None:
+    # Files and folders made here become another user's: this process takes another user
+    # id (giving a file away needs root, and a test must not).
+    me = os.geteuid()
+    monkeypatch.setattr(os, "geteuid", lambda: me + 1)
+
+
+@pytest.mark.parametrize("damage", ["oversized", "world-writable", "foreign-owned", "fifo"])
+def test_an_oversized_or_foreign_calibration_file_is_one_warning_and_measured_anew(
+        tmp_path, caplog, monkeypatch, damage):
+    first = cost.load_or_calibrate(MODEL, tmp_path, **SMALL)
+    path = tmp_path / f"{first.calibration_id}.json"
+    if damage == "oversized":   # 16 GB, sparse: read whole it would not fit in memory
+        path.unlink()
+        _sparse(path, 16 << 30)
+    elif damage == "world-writable":
+        path.chmod(0o666)
+    elif damage == "fifo":
+        path.unlink()
+        os.mkfifo(path)
+    measured = []
+    monkeypatch.setattr(cost, "calibrate", lambda model, **k: measured.append(1) or first)
+    with caplog.at_level(logging.WARNING):
+        if damage == "foreign-owned":   # the folder stays this user's, the file is another's
+            real = os.fstat
+            monkeypatch.setattr(os, "fstat", lambda fd: os.stat_result(
+                (*real(fd)[:4], os.geteuid() + 1, *real(fd)[5:10])))
+        again = cost.load_or_calibrate(MODEL, tmp_path, **SMALL)
+    assert again == first and measured == [1]
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and str(path) in warnings[0].getMessage(), caplog.text
+    assert "Traceback" not in caplog.text
+
+
+@pytest.mark.parametrize("damage", ["world-writable", "foreign-owned"])
+def test_a_calibration_folder_others_can_write_to_is_not_used(tmp_path, caplog, monkeypatch,
+                                                              damage):
+    folder = tmp_path / damage
+    folder.mkdir()
+    first = cost.load_or_calibrate(MODEL, folder, **SMALL)
+    if damage == "world-writable":
+        folder.chmod(0o777)
+    else:
+        _another_user(monkeypatch)
+    measured = []
+    monkeypatch.setattr(cost, "calibrate", lambda model, **k: measured.append(1) or first)
+    with caplog.at_level(logging.WARNING):
+        cost.load_or_calibrate(MODEL, folder, **SMALL)
+    assert measured == [1]   # its file is neither read nor replaced
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "not using the calibration folder" in warnings[0].getMessage()
