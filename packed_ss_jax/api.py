@@ -192,10 +192,11 @@ def _chosen(engine: Engine, options: DecodeOptions, prompt_len: int,
     return p.options_for(options, choice.candidate), choice.summary(engine.family)
 
 
-def _observed(engine: Engine, options: DecodeOptions, results: list[DecodeResult]) -> None:
-    """Decodes of an "auto" choice reported to the planner's acceptance model."""
+def _observed(engine: Engine, options: DecodeOptions, results: list[DecodeResult],
+              iteration_s: float | None = None) -> None:
+    """Decodes of an "auto" choice reported to its planner (Planner.observe)."""
     if options.schedule == planner.AUTO and results:
-        planner.Planner.of(engine.model).observe(results)
+        planner.Planner.of(engine.model).observe(results, iteration_s)
 
 
 def _batch(engine: Engine, prompts, options: DecodeOptions, sequences=None):
@@ -315,7 +316,8 @@ def decode_continuous(model, prompts: Sequence, *, slots: int = 8, every: int = 
     slots = min(slots, len(batch.members))
     every = min(every, batch.members[0].max_new + 1)
     out = continuous.decode_queue(engine, batch, slots, every)   # (results, stats)
-    _observed(engine, options, out[0])
+    # Every request's iterations ran beside the others': the loop's seconds per step.
+    _observed(engine, options, out[0], out[1].loop_s / max(out[1].steps, 1))
     return out
 
 

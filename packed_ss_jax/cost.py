@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -32,7 +33,13 @@ from .calls import causal
 ENV = "PACKED_SS_COST_DIR"
 ROWS = (1, 8, 32, 128)      # the calibration's row counts
 SLOTS = (256, 2048)         # and cache sizes (capped at the model's context)
-REPEAT = 8                  # calls per timed loop
+REPEAT = 8                  # calls per timed loop, at least
+MIN_RUN_S = 0.02            # and as many more as make a timed loop last this long
+MAX_REPEAT = 4096
+RUNS = 5                    # timed loops per point: their median is kept
+UNSTABLE = 0.25             # a point whose runs spread past this share of their median
+                            # is measured again, longer; if it stays so, the calibration
+                            # is unstable, and says so
 VERSION = 1                 # of the file's layout
 MAX_FILE_BYTES = 1 << 20    # a calibration file holds a few kB: a larger one is not one
 
@@ -48,6 +55,12 @@ class CostModel:
     slots: tuple[int, ...]
     seconds: tuple[tuple[float, ...], ...]   # [len(slots)][len(rows)]
     calibration_s: float = 0.0               # what measuring it took
+    spread: float = 0.0                      # the widest spread of a point's runs
+    load: float | None = None                # load average per core when it was measured
+
+    @property
+    def unstable(self) -> bool:
+        return self.spread > UNSTABLE
 
     def __post_init__(self):
         if (list(self.rows) != sorted(set(self.rows)) or list(self.slots) != sorted(set(self.slots))
@@ -59,7 +72,9 @@ class CostModel:
             raise ValueError("seconds must be one positive number per (slots, rows) point")
 
     def call_s(self, rows: int, slots: int) -> float:
-        """Predicted seconds of one call of `rows` rows over a cache of `slots` slots."""
+        """Predicted seconds of one call of `rows` rows over a cache of `slots` slots
+        (past the grid, between the nearest point's and that scaled by the rows or slots:
+        `_between`)."""
         by_slots = [_between(self.rows, r, rows) for r in self.seconds]
         # Extended below the grid a line can fall under zero: no call is cheaper than the
         # cheapest one measured.
@@ -76,22 +91,32 @@ class CostModel:
         if not isinstance(data, dict) or data.get("version") != VERSION:
             raise ValueError("not a cost calibration of this version")
         try:
+            load = data.get("load")
             return cls(str(data["key"]), tuple(int(x) for x in data["rows"]),
                        tuple(int(x) for x in data["slots"]),
                        tuple(tuple(float(s) for s in r) for r in data["seconds"]),
-                       float(data.get("calibration_s", 0.0)))
+                       float(data.get("calibration_s", 0.0)), float(data.get("spread", 0.0)),
+                       None if load is None else float(load))
         except (KeyError, TypeError, OverflowError) as e:
             raise ValueError(f"a malformed cost calibration: {e}") from None
 
 
 def _between(xs: tuple[int, ...], ys, x: float) -> float:
     """Piecewise-linear interpolation of ys over xs at x, extended along the end
-    segments; a single point is a constant."""
+    segments; a single point is a constant. Past the points a call costs at least what
+    the nearest measured one did and at most that scaled by x (more rows or slots never
+    cost less, nor more than in proportion): a line through two noisy points cannot
+    carry a prediction further off than that."""
     if len(xs) == 1:
         return float(ys[0])
     i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+    y = float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+    if x > xs[-1]:
+        return min(max(y, ys[-1]), ys[-1] * x / xs[-1])
+    if x < xs[0]:
+        return min(max(y, ys[0] * x / xs[0]), ys[0])
+    return y
 
 
 def calibration_id(model) -> str:
@@ -111,31 +136,43 @@ def calibration_id(model) -> str:
 
 
 def seconds_per_call(call, params, tokens, cache, repeat: int = REPEAT) -> float:
-    """Seconds per `call(params, tokens, cache) -> logits`: `repeat` calls inside one
-    jitted loop, best of three runs (the first compiles, untimed). Each call's input
-    depends on the previous output, so XLA cannot hoist the call out of the loop."""
+    """Seconds per `call(params, tokens, cache) -> logits`: the median of `run_times`."""
+    return statistics.median(run_times(call, params, tokens, cache, repeat))
+
+
+def run_times(call, params, tokens, cache, repeat: int = REPEAT, runs: int = RUNS) -> list:
+    """Seconds per `call(params, tokens, cache) -> logits` in each of `runs` timed runs of
+    at least `repeat` calls inside one jitted loop, as many more as make a run last
+    MIN_RUN_S (a call of a small model takes microseconds, too short to time alone).
+    A first run compiles, untimed. Each call's input depends on the previous output, so
+    XLA cannot hoist the call out of the loop."""
 
     @jax.jit
-    def run(params, tokens, cache):
+    def run(params, tokens, cache, n):
         def body(i, carry):
             tokens, acc = carry
             first = call(params, tokens, cache).reshape(-1)[0]
             flag = (first > 1e30).astype(tokens.dtype)
             return tokens.at[(0,) * tokens.ndim].add(flag), acc + first
-        return jax.lax.fori_loop(0, repeat, body, (tokens, jnp.float32(0)))
+        return jax.lax.fori_loop(0, n, body, (tokens, jnp.float32(0)))
 
-    jax.block_until_ready(run(params, tokens, cache))
-    best = math.inf
-    for _ in range(3):
+    jax.block_until_ready(run(params, tokens, cache, repeat))
+    t0 = time.perf_counter()
+    jax.block_until_ready(run(params, tokens, cache, repeat))
+    each = (time.perf_counter() - t0) / repeat
+    n = min(max(repeat, math.ceil(MIN_RUN_S / max(each, 1e-9))), MAX_REPEAT)
+    times = []
+    for _ in range(runs):
         t0 = time.perf_counter()
-        jax.block_until_ready(run(params, tokens, cache))
-        best = min(best, (time.perf_counter() - t0) / repeat)
-    return best
+        jax.block_until_ready(run(params, tokens, cache, n))
+        times.append((time.perf_counter() - t0) / n)
+    return times
 
 
-def time_call(model, rows: int, slots: int, repeat: int = REPEAT) -> float:
+def time_call(model, rows: int, slots: int, repeat: int = REPEAT, runs: int = RUNS) -> list:
     """Seconds per call of `rows` causal rows after `slots - rows` cached ones, over a
-    cache of `slots` slots (what a decoding call of that many rows costs)."""
+    cache of `slots` slots (what a decoding call of that many rows costs), in each of
+    `runs` timed runs."""
     live = slots - rows
     positions = live + jnp.arange(rows, dtype=jnp.int32)
     mask, draft_rows = jnp.asarray(causal(rows)), jnp.zeros(rows, bool)
@@ -143,22 +180,54 @@ def time_call(model, rows: int, slots: int, repeat: int = REPEAT) -> float:
     def call(params, tokens, cache):
         return model.forward(params, tokens, positions, mask, cache, live, draft_rows)[0]
 
-    return seconds_per_call(call, model.params, jnp.zeros(rows, jnp.int32),
-                            model.empty_cache(slots), repeat)
+    return run_times(call, model.params, jnp.zeros(rows, jnp.int32), model.empty_cache(slots),
+                     repeat, runs)
 
 
 def calibrate(model, rows=ROWS, slots=SLOTS, repeat: int = REPEAT) -> CostModel:
     """Times the model's call at every (cache size, rows) point: cache sizes are capped at
-    the model's context, and row counts that do not fit the smallest size left out."""
+    the model's context, and row counts that do not fit the smallest size left out. Each
+    point keeps the median of its runs; a point whose runs spread past UNSTABLE is
+    measured again with twice the runs, and if it still does, one warning says so."""
     context = model.config.max_position_embeddings
     sizes = sorted({min(s, context) for s in slots})
     rows = sorted({r for r in rows if r < sizes[0]})
     if not rows:
         raise ValueError(f"no calibration row count fits a cache of {sizes[0]} slots")
-    t0 = time.perf_counter()
-    seconds = tuple(tuple(time_call(model, r, s, repeat) for r in rows) for s in sizes)
-    return CostModel(calibration_id(model), tuple(rows), tuple(sizes), seconds,
-                     time.perf_counter() - t0)
+    load, t0 = load_per_core(), time.perf_counter()
+    points = {}
+    for s in sizes:
+        for r in rows:
+            points[s, r] = _median_and_spread(time_call(model, r, s, repeat))
+            if points[s, r][1] > UNSTABLE:
+                points[s, r] = _median_and_spread(time_call(model, r, s, repeat, 2 * RUNS))
+    (s, r), (_, spread) = max(points.items(), key=lambda p: p[1][1])
+    measured = CostModel(calibration_id(model), tuple(rows), tuple(sizes),
+                         tuple(tuple(points[s, r][0] for r in rows) for s in sizes),
+                         time.perf_counter() - t0, spread, load)
+    if measured.unstable:
+        busy = "" if load is None else f"; load average {load:.2f} per core"
+        log.warning(f"packed_ss_jax: the cost calibration is unstable (its timings of "
+                    f"{r} rows over {s} slots spread {spread:.0%}{busy}): schedule auto "
+                    "corrects it from the decodes that follow")
+    return measured
+
+
+def _median_and_spread(times: list) -> tuple[float, float]:
+    """The runs' median, and their spread over it: from the second fastest to the second
+    slowest (one stray run either way is not instability)."""
+    times = sorted(times)
+    inner = times[1:-1] if len(times) > 3 else times
+    median = statistics.median(times)
+    return median, (inner[-1] - inner[0]) / median
+
+
+def load_per_core() -> float | None:
+    """The 1-minute load average over the cores (None where the system has none)."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except (AttributeError, OSError):
+        return None
 
 
 def default_dir() -> Path:

@@ -43,6 +43,7 @@ from . import cost as cost_lib
 from . import memory, options as options_lib, scheduler, validate
 from .acceptance import AcceptanceModel, Candidate, Tally
 from .engine import Engine
+from .feedback import EXPLORE_EVERY, EXPLORE_WITHIN, Feedback
 from .options import DecodeOptions
 from .validate import InputError
 
@@ -113,8 +114,9 @@ def default_candidates(family, width: int | None = None, branches: int | None = 
 class Prediction:
     candidate: Candidate
     tokens_per_iteration: float
-    iteration_s: float
+    iteration_s: float        # the cost model's seconds per iteration, corrected (feedback.py)
     tokens_per_s: float
+    base_iteration_s: float   # the cost model's, as calibrated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,11 +129,19 @@ class Choice:
     sequences: int
     sampled: bool
     predictions: tuple[Prediction, ...]
+    explored: bool = False   # not the best predicted: tried to keep its correction fresh
+
+    @property
+    def prediction(self) -> Prediction:
+        return next(p for p in self.predictions if p.candidate == self.candidate)
 
     def summary(self, family) -> dict:
         """The result's and the server's record of it."""
+        p = self.prediction
         return {"schedule": self.candidate.schedule, "label": self.candidate.label(family),
                 "predicted_tokens_per_s": self.predicted_tokens_per_s,
+                "predicted_iteration_s": p.iteration_s,
+                "base_iteration_s": p.base_iteration_s, "explored": self.explored,
                 "sequences": self.sequences, "sampled": self.sampled,
                 "candidates": len(self.predictions)}
 
@@ -173,6 +183,8 @@ class Planner:
         # prints it)
         self.progress: Callable[[int, int, str], None] | None = None
         self._kept: dict[tuple, Candidate] = {}
+        self._chosen: dict[tuple, int] = {}   # choices made per kind (exploration's clock)
+        self.feedback = Feedback()
         self._weights: str | None = None
         self._lock = threading.RLock()
 
@@ -275,13 +287,16 @@ class Planner:
     def predict(self, c: Candidate, sequences: int, slots: int, sampled: bool) -> Prediction:
         per_iteration = self.acceptance.tokens_per_iteration(c, sampled)
         rows = self.family.iteration_rows(c.schedule, c.width, c.branches)
-        seconds = sum(self.cost.call_s(sequences * r, slots) for r in rows)
-        return Prediction(c, per_iteration, seconds, sequences * per_iteration / seconds)
+        base = sum(self.cost.call_s(sequences * r, slots) for r in rows)
+        seconds = base * self.feedback.factor(c, sequences)
+        return Prediction(c, per_iteration, seconds, sequences * per_iteration / seconds, base)
 
-    def choose(self, options: DecodeOptions, prompt_len: int, sequences: int = 1) -> Choice:
+    def choose(self, options: DecodeOptions, prompt_len: int, sequences: int = 1,
+               explore: bool = True) -> Choice:
         """The fastest feasible candidate for `sequences` prompts of at most `prompt_len`
         tokens decoded with `options` (schedule "auto"; a width or branches given keep
-        the candidates of that width or k)."""
+        the candidates of that width or k); with `explore`, one choice in EXPLORE_EVERY
+        of a kind may be another close candidate (feedback.py)."""
         family, config = self.family, self.engine.model.config
         width = self._check(options)
         # Every other option is checked once, on the reference: its errors are the
@@ -326,7 +341,21 @@ class Planner:
             if kept is not None and best.tokens_per_s <= (1 + MARGIN) * kept.tokens_per_s:
                 best = kept
             self._kept[key] = best.candidate
+            self._chosen[key] = n = self._chosen.get(key, 0) + 1
+            tried = self._explore(feasible, best, sequences) if explore and \
+                n % EXPLORE_EVERY == 0 else None
+        if tried is not None:
+            return Choice(tried.candidate, tried.tokens_per_s, sequences, sampled,
+                          tuple(feasible), explored=True)
         return Choice(best.candidate, best.tokens_per_s, sequences, sampled, tuple(feasible))
+
+    def _explore(self, feasible: list[Prediction], best: Prediction,
+                 sequences: int) -> Prediction | None:
+        """The candidate to try instead of `best` this time (feedback.py), or None."""
+        close = [p.candidate for p in feasible if p.candidate != best.candidate
+                 and p.tokens_per_s >= EXPLORE_WITHIN * best.tokens_per_s]
+        pick = self.feedback.stalest(close, sequences)
+        return next((p for p in feasible if p.candidate == pick), None)
 
     def _check(self, options: DecodeOptions) -> int | None:
         """The order, and the width and branches where given (as a schedule that takes
@@ -355,12 +384,17 @@ class Planner:
         return dataclasses.replace(options, **{"width": None, "branches": None,
                                                **c.options(self.family)})
 
-    def observe(self, results) -> None:
-        """Adds decodes of one "auto" choice (DecodeResults, their `auto` set) to the
-        acceptance model's running tally."""
+    def observe(self, results, iteration_s: float | None = None) -> None:
+        """Adds decodes of one "auto" choice (DecodeResults, their `auto` set, decoded
+        together) to the acceptance model's running tally, and their seconds per
+        iteration (`iteration_s`; default: their wall time over the most iterations any
+        of them ran, as for one decode or one batch) to the cost feedback."""
         r = results[0]
-        self.acceptance.observe(Candidate(r.schedule, r.width, r.branches), r.auto["sampled"],
-                                results)
+        c = Candidate(r.schedule, r.width, r.branches)
+        self.acceptance.observe(c, r.auto["sampled"], results)
+        if iteration_s is None:
+            iteration_s = max(x.wall_s for x in results) / max(max(x.iterations for x in results), 1)
+        self.feedback.observe(c, r.auto["sequences"], r.auto["base_iteration_s"], iteration_s)
 
 
 def _read(path: Path | None, c: Candidate) -> Tally | None:

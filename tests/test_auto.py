@@ -145,10 +145,13 @@ def test_a_kept_choice_yields_only_past_the_margin(model, tmp_path):
     assert p.choose(DecodeOptions(schedule="auto"), 8).candidate == BRANCHED
 
 
-def _auto_result(c, tokens, iterations):
+def _auto_result(c, tokens, iterations, iteration_s=1e-3, base_s=1e-3, sequences=1):
+    """A decode through auto of `c` that took `iteration_s` seconds per iteration where
+    `base_s` was predicted."""
     r = _Result(tokens, iterations, [0, iterations])
     r.schedule, r.width, r.branches = c.schedule, c.width, c.branches
-    r.auto = {"sampled": False}
+    r.wall_s = iteration_s * iterations
+    r.auto = {"sampled": False, "sequences": sequences, "base_iteration_s": base_s}
     return r
 
 

@@ -35,6 +35,32 @@ def test_calls_between_and_past_the_points_are_interpolated():
     assert cost.predicted_tokens_per_s(c, 3.0, 8, 16) == pytest.approx(3.0 / 1.8e-3)
 
 
+def test_past_the_points_a_prediction_stays_near_what_was_measured():
+    # Noise made the last segment fall, or climb steeply: past the grid a call costs at
+    # least the last point's and at most that in proportion to its rows.
+    falling = cost.CostModel("k", (1, 8, 16), (64,), ((1e-3, 4e-3, 3e-3),))
+    assert falling.call_s(64, 64) == pytest.approx(3e-3)
+    steep = cost.CostModel("k", (1, 8, 16), (64,), ((1e-3, 1e-3, 9e-3),))
+    assert steep.call_s(32, 64) == pytest.approx(18e-3)   # the line would say 25 ms
+    assert steep.call_s(12, 64) == pytest.approx(5e-3)    # inside the grid, the line
+
+
+def test_an_unstable_calibration_says_so_and_records_the_load(monkeypatch, caplog):
+    runs = iter([[1.0, 1.0, 1.0, 1.0, 1.0], [1.0, 1.5, 2.0, 1.0, 3.0],
+                 [1.0, 1.4, 2.0, 1.0, 1.0, 1.0, 3.0, 1.8, 1.0, 1.0]])
+    monkeypatch.setattr(cost, "time_call", lambda *a, **k: next(runs))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        c = cost.calibrate(MODEL, rows=(1, 4), slots=(16,))
+    # The second point's runs spread (2.0 - 1.0) / 1.5 (the fastest and the slowest
+    # left out); measured again, longer, still (2.0 - 1.0) / 1.0.
+    assert c.seconds == ((1.0, 1.0),) and c.spread == pytest.approx(1.0) and c.unstable
+    assert c.load is None or c.load >= 0
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "unstable" in warning and "4 rows over 16 slots spread 100%" in warning
+    assert cost.CostModel.from_json(json.loads(json.dumps(c.to_json()))) == c
+
+
 @pytest.mark.parametrize("seconds", [((1e-3, math.nan), (1e-3, 1e-3)),
                                      ((1e-3, -1.0), (1e-3, 1e-3)), ((1e-3,), (1e-3, 1e-3))])
 def test_a_calibration_with_bad_numbers_is_refused(seconds):
@@ -139,6 +165,7 @@ def test_an_oversized_or_foreign_calibration_file_is_one_warning_and_measured_an
         os.mkfifo(path)
     measured = []
     monkeypatch.setattr(cost, "calibrate", lambda model, **k: measured.append(1) or first)
+    caplog.clear()
     with caplog.at_level(logging.WARNING):
         if damage == "foreign-owned":   # the folder stays this user's, the file is another's
             real = os.fstat
@@ -163,6 +190,7 @@ def test_a_calibration_folder_others_can_write_to_is_not_used(tmp_path, caplog, 
         _another_user(monkeypatch)
     measured = []
     monkeypatch.setattr(cost, "calibrate", lambda model, **k: measured.append(1) or first)
+    caplog.clear()
     with caplog.at_level(logging.WARNING):
         cost.load_or_calibrate(MODEL, folder, **SMALL)
     assert measured == [1]   # its file is neither read nor replaced

@@ -1,0 +1,127 @@
+"""What `auto` learns from its own decodes (feedback.py, planner.py): corrections of the
+cost model from observed seconds per iteration (bounded, decaying, shared with the
+candidates not run), re-planning when the observed best changes, and bounded
+exploration; predictions that meet what decodes then take."""
+
+import math
+
+import pytest
+
+from packed_ss_jax import families, feedback, planner as planner_lib
+from packed_ss_jax.acceptance import AcceptanceModel, Candidate, Tally
+from packed_ss_jax.cost import CostModel
+from packed_ss_jax.engine import Engine
+from packed_ss_jax.feedback import Feedback
+from packed_ss_jax.options import DecodeOptions
+from tiny import tiny_model
+
+AR, LINEAR, PACKED = Candidate("ar", 1), Candidate("linear", 4), Candidate("packed", 4)
+BRANCHED = Candidate("branched", 4, 2)
+SMALL = (AR, LINEAR, PACKED, BRANCHED)
+AUTO = DecodeOptions(schedule="auto")
+
+
+def test_a_candidate_s_correction_follows_its_decodes_within_bounds():
+    f = Feedback()
+    assert f.factor(PACKED, 1) == 1.0   # nothing seen
+    for _ in range(30):
+        f.observe(PACKED, 1, 1e-3, 3e-3)
+    assert f.factor(PACKED, 1) == pytest.approx(3.0)
+    f.observe(PACKED, 1, 1e-3, 1e3)   # one wild timing moves it a bounded step
+    assert f.factor(PACKED, 1) == pytest.approx(3.0 ** 0.75 * feedback.BOUND ** 0.25)
+    for bad in (0.0, -1.0, math.nan, math.inf):   # never breaks the planner
+        f.observe(PACKED, 1, 1e-3, bad)
+        f.observe(PACKED, 1, bad, 1e-3)
+    assert math.isfinite(f.factor(PACKED, 1)) and f.ticks == 31
+
+
+def test_a_candidate_not_run_is_predicted_as_the_machine_now_runs():
+    f = Feedback()
+    for _ in range(30):
+        f.observe(PACKED, 1, 1e-3, 2e-3)   # the machine became twice as slow
+    assert f.factor(LINEAR, 1) == pytest.approx(2.0)   # never run: the shared correction
+    assert f.factor(LINEAR, 8) == 1.0                  # another batch size: its own
+    f.observe(LINEAR, 1, 1e-3, 4e-3)                   # run once, slower still
+    assert f.factor(LINEAR, 1) == pytest.approx(4.0)
+    for _ in range(feedback.HALF_LIFE):                # then not for a while
+        f.observe(PACKED, 1, 1e-3, 2e-3)
+    shared = math.log(f.factor(AR, 1))
+    assert f.factor(LINEAR, 1) == pytest.approx(math.exp((math.log(4.0) + shared) / 2))
+
+
+def _planner(model, tmp_path):
+    # 1 ms + 0.1 ms per row whatever the cache: per iteration AR 1.1 ms, Linear 2.8 ms,
+    # Packed 1.8 ms, Branched 2.2 ms; tokens per iteration 1, 3, 2.5, 2.6.
+    cost = CostModel("k", (1, 64), (64, 256), ((1.1e-3, 7.4e-3), (1.1e-3, 7.4e-3)))
+    acceptance = AcceptanceModel({c: Tally(100.0 * r, 100.0) for c, r in
+                                  {AR: 1.0, LINEAR: 3.0, PACKED: 2.5, BRANCHED: 2.6}.items()})
+    return planner_lib.Planner(Engine(model), cost=cost, acceptance=acceptance,
+                               candidates=SMALL, directory=tmp_path)
+
+
+class _Decoded:   # what the planner reads of a DecodeResult
+    def __init__(self, choice, iteration_s, iterations=100):
+        p = choice.prediction
+        c = p.candidate
+        self.schedule, self.width, self.branches = c.schedule, c.width, c.branches
+        self.tokens = [0] * round(p.tokens_per_iteration * iterations)
+        self.iterations, self.accept_hist = iterations, [0, iterations]
+        self.wall_s = iteration_s * iterations
+        self.auto = choice.summary(families.FAMILIES["nemotron"])
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(0)
+
+
+def test_the_choice_moves_when_decodes_show_another_is_faster(model, tmp_path):
+    p = _planner(model, tmp_path)
+    # Packed-SS, predicted fastest, runs at 1.5x its predicted seconds, the others as predicted. Its decodes
+    # alone cannot tell a slow schedule from a slow machine (every candidate is then
+    # predicted slower alike); exploring Branched-SS tells them apart.
+    chosen = []
+    for _ in range(3 * feedback.EXPLORE_EVERY):
+        choice = p.choose(AUTO, 8)
+        chosen.append((choice.candidate, choice.explored))
+        slow = 1.5 if choice.candidate == PACKED else 1.0
+        p.observe([_Decoded(choice, slow * choice.prediction.base_iteration_s)])
+    n = feedback.EXPLORE_EVERY
+    assert chosen[: n - 1] == [(PACKED, False)] * (n - 1)
+    assert chosen[n - 1] == (BRANCHED, True)   # explored; from then on chosen:
+    assert {c for c, explored in chosen[n:] if not explored} == {BRANCHED}  # 2.6 / 2.2 ms
+    assert sum(explored for _, explored in chosen) == 3                     # > 2.5 / 2.7 ms
+    table = {row["candidate"]: row for row in p.feedback.table()}
+    assert table[PACKED]["factor"] == pytest.approx(1.5, rel=0.05)
+    assert table[BRANCHED]["factor"] == pytest.approx(1.0, rel=0.05)
+
+
+def test_exploration_is_rare_close_and_the_stalest(model, tmp_path):
+    p = _planner(model, tmp_path)
+    picks = [p.choose(AUTO, 8) for _ in range(4 * feedback.EXPLORE_EVERY)]
+    explored = [c for c in picks if c.explored]
+    assert len(explored) == 4 and all(c.candidate != PACKED for c in explored)
+    best = picks[0].predicted_tokens_per_s
+    # Only candidates predicted within EXPLORE_WITHIN of the best (Branched-SS at 0.85x;
+    # Linear-SS at 0.77x and AR at 0.65x are not).
+    assert {c.candidate for c in explored} == {BRANCHED}
+    assert all(c.predicted_tokens_per_s >= feedback.EXPLORE_WITHIN * best for c in explored)
+    # Observed recently: no need to explore it again yet.
+    p.observe([_Decoded(explored[0], explored[0].prediction.base_iteration_s)])
+    picks = [p.choose(AUTO, 8) for _ in range(feedback.EXPLORE_EVERY)]
+    assert not any(c.explored for c in picks)
+
+
+def test_predictions_meet_what_decodes_then_take(model, tmp_path):
+    """A machine 2.5x slower than at calibration, Packed-SS 3x: after 20 decodes the
+    chosen candidate's predicted tokens/s is within 25 % of what its decodes make."""
+    p = _planner(model, tmp_path)
+    slower = {PACKED: 3.0}
+    for _ in range(20):
+        choice = p.choose(AUTO, 8)
+        iteration_s = slower.get(choice.candidate, 2.5) * choice.prediction.base_iteration_s
+        p.observe([_Decoded(choice, iteration_s)])
+    choice = p.choose(AUTO, 8, explore=False)
+    observed = choice.prediction.tokens_per_iteration / (
+        slower.get(choice.candidate, 2.5) * choice.prediction.base_iteration_s)
+    assert choice.predicted_tokens_per_s == pytest.approx(observed, rel=0.25)
