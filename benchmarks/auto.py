@@ -5,9 +5,14 @@ of `auto`, interleaved over `--rounds` rounds (each round runs every setting onc
 an order that rotates; the median round is reported). Every output is checked against
 the reference schedule's (greedy: token for token).
 
-`auto` is calibrated first in an empty folder (the cost model's forwards, then each
-candidate decoding `--calibration` held-out prompts of the task, drawn apart from the
-measured ones); its calibration time is reported, and so are the choices it made.
+`auto` is calibrated first, on a quiet machine, in an empty folder (the cost model's
+forwards, then each candidate decoding `--calibration` held-out prompts of the task,
+drawn apart from the measured ones); its calibration time is reported, and so are the
+choices it made. Each `--load` then measures every setting again: "quiet", and "loaded"
+with a CPU-bound process beside it (started and stopped here), which the calibration
+never saw: `auto` must learn it from its own decodes. For every decode through `auto`
+its predicted tokens/s is kept beside what it made, so that the table shows how close
+the predictions come after the first 20 requests.
 
     python -m benchmarks.auto --json benchmarks/results/auto_cpu.json
     python -m benchmarks.auto --models nld-tiny --width 4 --schedules packed --prompts 2 \
@@ -18,9 +23,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +40,8 @@ from packed_ss_jax.planner import Planner, default_candidates
 from packed_ss_jax.training import corpus
 
 AUTO = "auto"
+LOADS = ("quiet", "loaded")
+LEARNED = 20   # auto calls after which its predictions are compared with what it made
 
 
 def _arguments(argv) -> argparse.Namespace:
@@ -51,12 +60,16 @@ def _arguments(argv) -> argparse.Namespace:
     p.add_argument("--schedules", default=None,
                    help="only the candidates of these schedules, comma-separated (the "
                         "reference always; default: every one)")
+    p.add_argument("--load", default="quiet,loaded",
+                   help="quiet: nothing beside the benchmark; loaded: a CPU-bound process "
+                        "beside it (default both, in that order)")
     p.add_argument("--json", help="write the results here")
     return p.parse_args(argv)
 
 
-def _decode(model, prompts, batch: int, options: dict, max_new: int):
-    """The prompts decoded `batch` at a time: (results, decoder seconds, compile seconds)."""
+def _decode(model, prompts, batch: int, options: dict, max_new: int, predictions=None):
+    """The prompts decoded `batch` at a time: (results, decoder seconds, compile seconds).
+    `predictions`: a list that gets each call's predicted and observed tokens/s (auto)."""
     results, wall, compile_s = [], 0.0, 0.0
     for i in range(0, len(prompts), batch):
         group = prompts[i: i + batch]
@@ -64,9 +77,26 @@ def _decode(model, prompts, batch: int, options: dict, max_new: int):
                         options=ps.DecodeOptions(max_new_tokens=max_new, **options))
         out = out if batch > 1 else [out]
         results += out
-        wall += out[0].wall_s if batch > 1 else sum(r.wall_s for r in out)
+        wall += out[0].wall_s
         compile_s += out[0].compile_s
+        if predictions is not None:
+            predictions.append({"label": out[0].auto["label"],
+                                "explored": out[0].auto["explored"],
+                                "predicted": out[0].auto["predicted_tokens_per_s"],
+                                "observed": sum(len(r.tokens) for r in out) / out[0].wall_s})
     return results, wall, compile_s
+
+
+class _Load:
+    """A CPU-bound process beside the benchmark while the `with` lasts."""
+
+    def __enter__(self):
+        self.process = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        return self
+
+    def __exit__(self, *exc):
+        self.process.kill()
+        self.process.wait()
 
 
 def _candidates(family, args):
@@ -92,61 +122,90 @@ def measure_model(name: str, args) -> dict:
         planner.calibrate(calibration)
         calibration_s = time.perf_counter() - t0
     print(f"{name}: calibrated in {calibration_s:.1f} s (cost model "
-          f"{planner.cost.calibration_s:.1f} s)", file=sys.stderr, flush=True)
+          f"{planner.cost.calibration_s:.1f} s; spread {planner.cost.spread:.0%})",
+          file=sys.stderr, flush=True)
     settings = {c.label(family): c.options(family) for c in planner.candidates}
     settings[AUTO] = {"schedule": AUTO}
     reference = _decode(model, prompts, 1, {"schedule": family.reference},
                         args.max_new_tokens)[0]
     want = [r.tokens for r in reference]
     rows = []
-    for batch in args.batches:
-        speeds = collections.defaultdict(list)
-        choices = collections.Counter()
-        labels = list(settings)
-        for rnd in range(args.rounds + 1):   # round 0 compiles and is not counted
-            shift = rnd % len(labels)
-            for label in labels[shift:] + labels[:shift]:
-                results, wall, _ = _decode(model, prompts, batch, settings[label],
-                                           args.max_new_tokens)
-                if [r.tokens for r in results] != want:
-                    raise SystemExit(f"{name} {label} batch {batch}: tokens differ from "
-                                     f"{family.reference}'s")
-                if label == AUTO:
-                    choices.update(r.auto["label"] for r in results[::batch])
-                if rnd:
-                    speeds[label].append(sum(len(r.tokens) for r in results) / wall)
-            print(f"{name} batch {batch}: round {rnd} done", file=sys.stderr, flush=True)
-        median = {k: statistics.median(v) for k, v in speeds.items()}
-        best = max((k for k in median if k != AUTO), key=median.get)
-        rows.append({"model": name, "batch": batch, "tokens_per_s": median,
-                     "rounds": dict(speeds), "best_fixed": best,
-                     "auto_vs_best": median[AUTO] / median[best],
-                     "auto_choices": dict(choices)})
-        print(f"{name} batch {batch}: auto {median[AUTO]:.0f} tokens/s, best fixed {best} "
-              f"{median[best]:.0f} ({rows[-1]['auto_vs_best']:.3f}x); auto chose "
-              f"{dict(choices)}", file=sys.stderr, flush=True)
+    for load in args.load.split(","):
+        if load not in LOADS:
+            raise SystemExit(f"unknown --load {load!r}; expected some of {', '.join(LOADS)}")
+        with (_Load() if load == "loaded" else contextlib.nullcontext()):
+            rows += [_measure_batch(name, family, model, prompts, want, settings, batch,
+                                    load, args) for batch in args.batches]
     return {"model": name, "calibration_s": calibration_s,
             "cost_calibration_s": planner.cost.calibration_s,
+            "cost_spread": planner.cost.spread, "cost_load": planner.cost.load,
             "candidates": len(planner.candidates), "rows": rows,
             "acceptance": [{**r, "candidate": r["candidate"].label(family)}
-                           for r in planner.acceptance.table()]}
+                           for r in planner.acceptance.table()],
+            "feedback": [{**r, "candidate": r["candidate"].label(family)}
+                         for r in planner.feedback.table()]}
+
+
+def _measure_batch(name, family, model, prompts, want, settings, batch, load, args) -> dict:
+    speeds = collections.defaultdict(list)
+    choices = collections.Counter()
+    predictions: list[dict] = []
+    labels = list(settings)
+    for rnd in range(args.rounds + 1):   # round 0 compiles and is not counted
+        shift = rnd % len(labels)
+        for label in labels[shift:] + labels[:shift]:
+            results, wall, _ = _decode(model, prompts, batch, settings[label],
+                                       args.max_new_tokens,
+                                       predictions if label == AUTO else None)
+            if [r.tokens for r in results] != want:
+                raise SystemExit(f"{name} {label} batch {batch}: tokens differ from "
+                                 f"{family.reference}'s")
+            if label == AUTO:
+                choices.update(r.auto["label"] for r in results[::batch])
+            if rnd:
+                speeds[label].append(sum(len(r.tokens) for r in results) / wall)
+        print(f"{name} {load} batch {batch}: round {rnd} done", file=sys.stderr, flush=True)
+    median = {k: statistics.median(v) for k, v in speeds.items()}
+    best = max((k for k in median if k != AUTO), key=median.get)
+    errors = [abs(p["predicted"] / p["observed"] - 1) for p in predictions[LEARNED:]
+              if not p["explored"]]
+    row = {"model": name, "load": load, "batch": batch, "tokens_per_s": median,
+           "rounds": dict(speeds), "best_fixed": best,
+           "auto_vs_best": median[AUTO] / median[best], "auto_choices": dict(choices),
+           "predictions": predictions,
+           "error_after": statistics.median(errors) if errors else None,
+           "error_after_max": max(errors) if errors else None}
+    print(f"{name} {load} batch {batch}: auto {median[AUTO]:.0f} tokens/s, best fixed {best} "
+          f"{median[best]:.0f} ({row['auto_vs_best']:.3f}x); auto chose {dict(choices)}",
+          file=sys.stderr, flush=True)
+    return row
 
 
 def markdown(runs: list[dict]) -> str:
     out = []
     for run in runs:
         out.append(f"\n{run['model']}: auto calibrated in {run['calibration_s']:.1f} s "
-                   f"(cost model {run['cost_calibration_s']:.1f} s; {run['candidates']} "
-                   "candidates)\n")
-        batches = [r["batch"] for r in run["rows"]]
-        out.append("| setting | " + " | ".join(f"batch {b} tokens/s" for b in batches) + " |")
-        out.append("|---|" + "---|" * len(batches))
+                   f"(cost model {run['cost_calibration_s']:.1f} s, its timings' widest "
+                   f"spread {run['cost_spread']:.0%}; {run['candidates']} candidates)\n")
+        heads = [f"{r['load']} batch {r['batch']}" for r in run["rows"]]
+        out.append("| setting | " + " | ".join(f"{h} tokens/s" for h in heads) + " |")
+        out.append("|---|" + "---|" * len(heads))
         for label in run["rows"][0]["tokens_per_s"]:
             cells = [f"{r['tokens_per_s'][label]:.0f}" for r in run["rows"]]
             out.append(f"| {label} | " + " | ".join(cells) + " |")
+        out.append(f"\n| {run['model']} | best fixed | auto / best | auto chose | "
+                   f"auto calls | predicted / observed, call 1 | after call {LEARNED}: "
+                   "median error | max error |")
+        out.append("|---|---|---|---|---|---|---|---|")
         for r in run["rows"]:
-            out.append(f"\nbatch {r['batch']}: best fixed {r['best_fixed']}; auto "
-                       f"{r['auto_vs_best']:.3f}x of it; auto chose {r['auto_choices']}")
+            first = r["predictions"][0]
+            after = ("-" if r["error_after"] is None else f"{r['error_after']:.0%}",
+                     "-" if r["error_after_max"] is None else f"{r['error_after_max']:.0%}")
+            out.append(f"| {r['load']} batch {r['batch']} | {r['best_fixed']} | "
+                       f"{r['auto_vs_best']:.3f} | {r['auto_choices']} | "
+                       f"{len(r['predictions'])} | "
+                       f"{first['predicted'] / first['observed']:.2f} | {after[0]} | "
+                       f"{after[1]} |")
     return "\n".join(out)
 
 

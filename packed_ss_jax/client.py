@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -28,19 +29,28 @@ from typing import Callable
 
 import numpy as np
 
-from . import api, memory, programs, scoring
+from . import api, memory, planner as planner_lib, programs, scoring
 from .chunks import Chunker, StreamChunk
 from .engine import Engine
 from .options import DecodeOptions, Program, Request, bucket_for, on_sampled_program
 from .planner import AUTO
 from .results import DecodeResult
 from .scheduler import Ended, Scheduler, Update
+from .serving_auto import ServingAuto
 from .validate import InputError
 
 DEFAULT_SLOTS = 8     # --max-num-seqs
 DEFAULT_STEPS = 4     # --steps-per-launch: loop iterations between the host's looks
 # One program per prompt bucket, plus these five.
 _PER_STATE = ("empty", "insert", "generate", "halt", "outcome")
+
+
+log = logging.getLogger(__name__)
+
+
+def _options(defaults: dict, **sampling) -> DecodeOptions:
+    """A one-token request's options on a server whose requests all get `defaults`."""
+    return DecodeOptions(**defaults, max_new_tokens=1, **sampling)
 
 
 class Draining(Exception):
@@ -55,6 +65,8 @@ class Observer:
     def finished(self, result: DecodeResult, first_token_s, wall_s: float) -> None: ...
 
     def ended(self, outcome: str) -> None: ...
+
+    def schedule_in_use(self, label: str, predicted_tokens_per_s: float | None) -> None: ...
 
 
 class Job:
@@ -102,18 +114,6 @@ class Choice:
     chunker: Chunker
 
 
-def choose_auto(model, width: dict | None, max_model_len: int, slots: int):
-    """Schedule "auto" for a server: the candidate predicted fastest with every slot busy
-    on caches of `max_model_len` (a width or branches given keep that width or k); its
-    schedule, its shape, and the choice's record."""
-    engine = Engine.of(model)
-    options = DecodeOptions(schedule=AUTO, cache_size=max_model_len, max_new_tokens=1,
-                            **(width or {}))
-    choice = api.auto_planner(model).choose(options, prompt_len=1, sequences=slots)
-    shape = choice.candidate.options(engine.family)
-    return shape.pop("schedule"), shape, choice.summary(engine.family)
-
-
 class EngineClient:
     """The engine as a server sees it: `check` a prompt and its options into a Request,
     `submit` a Job, `abort_all`, the gauges (`queued`, `busy_slots`), and an `observer`
@@ -123,10 +123,23 @@ class EngineClient:
                  steps: int = DEFAULT_STEPS):
         self.engine = Engine.of(model)
         self.model = model
-        self.defaults, self.slots, self.steps = defaults, slots, steps
+        self.slots, self.steps = slots, steps
         self.capacity = defaults["cache_size"]
-        self.program, self.sampled = self._slot_program()
+        self.auto: ServingAuto | None = None   # schedule "auto" (serving_auto.py)
+        if defaults["schedule"] == AUTO:
+            shape = {k: v for k, v in defaults.items() if k not in ("schedule", "cache_size")}
+            self.auto = ServingAuto(model, self.capacity, shape or None, slots)
+            defaults = self._defaults_for(self.auto.choice)
+        self.defaults = defaults
+        self.program, self.sampled = self._slot_program(defaults)
+        if self.auto is not None and self.sampled:
+            self.auto.keep_sampling()
         self.scheduler: Scheduler | None = None   # made by `warm`
+        # auto's next choice: readied on a thread of its own (`_ready_move`), then moved
+        # to once the slots are empty (`_move`)
+        self._moving: threading.Thread | None = None
+        self._moved: tuple[planner_lib.Choice, dict, Program, Scheduler] | None = None
+        self._refused: set = set()   # candidates that could not be readied
         self.jobs: queue.Queue = queue.Queue()
         self.waiting: collections.deque = collections.deque()   # (job, choice) to admit
         self.live: set[Job] = set()   # submitted and not yet ended
@@ -151,21 +164,28 @@ class EngineClient:
 
     # --- startup -----------------------------------------------------------------------
 
-    def _slot_program(self) -> tuple[Program, bool]:
+    def _defaults_for(self, choice: planner_lib.Choice) -> dict:
+        """The options every request gets on this server, with `choice`'s schedule."""
+        return {**choice.candidate.options(self.engine.family), "cache_size": self.capacity}
+
+    def _slot_program(self, defaults: dict) -> tuple[Program, bool]:
         """The slots' program (bucket 0), and whether it samples: the schedule's sampled
         program, or its greedy one where it decodes greedily only."""
         try:
-            request = self.engine.request([1], self._options(temperature=1.0))
+            request = self.engine.request([1], _options(defaults, temperature=1.0))
         except InputError:   # SetDLM's native decoder, or its confidence order
-            request = self.engine.request([1], self._options())
+            request = self.engine.request([1], _options(defaults))
             return dataclasses.replace(request.program, bucket=0), False
         return dataclasses.replace(on_sampled_program(request).program, bucket=0), True
 
-    def _options(self, **sampling) -> DecodeOptions:
-        return DecodeOptions(**self.defaults, max_new_tokens=1, **sampling)
-
-    def seated(self, request: Request) -> Request:
-        """`request` on the slots' program."""
+    def seated(self, request: Request, program: Program | None = None) -> Request:
+        """`request` on the slots' program (or `program`): its schedule, width and k
+        those of the slots, so that a request checked before `auto` moved is decoded by
+        the new choice (as exactly: each candidate gives the reference's tokens)."""
+        program = program or self.program
+        if request.program.shape != program.shape:
+            request = dataclasses.replace(request, program=dataclasses.replace(
+                request.program, shape=program.shape))
         return on_sampled_program(request) if self.sampled else request
 
     def buckets(self) -> list[int]:
@@ -183,7 +203,8 @@ class EngineClient:
         buckets, e = self.buckets(), self.engine
         scored = sorted({min(b, self.capacity) for b in buckets} | {self.capacity})
         self.programs = len(buckets) + len(_PER_STATE) + len(scored)
-        programs.keep_at_least(self.programs + 8)
+        # auto holds a second choice's programs while it moves to it
+        programs.keep_at_least(self.programs * (1 if self.auto is None else 2) + 8)
         memory.check(e.model, dataclasses.replace(self.program, bucket=buckets[-1]),
                      self.capacity, self.slots, "a smaller --max-model-len or --max-num-seqs")
         self._plan = buckets, scored
@@ -195,24 +216,32 @@ class EngineClient:
         every length bucket)."""
         if self._plan is None:
             self.plan()
-        buckets, scored = self._plan
         t0 = time.perf_counter()
-        self.scheduler = Scheduler(self.engine, self.program, self.slots)
-        label = repr(("server", self.program, self.slots, self.steps, buckets, scored))
-        self.loaded, _ = self.engine.warm(label, lambda: self._run_each(buckets, scored))
+        self.scheduler, self.loaded = self._readied(self.defaults, self.program)
         self.warm_s = time.perf_counter() - t0
         self.ready.set()
         self.settled.set()
 
-    def _run_each(self, buckets: list[int], scored: list[int]) -> None:
-        e, s = self.engine, self.scheduler
+    def _readied(self, defaults: dict, program: Program) -> tuple[Scheduler, int]:
+        """A scheduler of `program` for the slots, every program a request can need on
+        it compiled or read from disk (Engine.warm); and how many were read."""
+        buckets, scored = self._plan
+        s = Scheduler(self.engine, program, self.slots)
+        label = repr(("server", program, self.slots, self.steps, buckets, scored))
+        loaded, _ = self.engine.warm(
+            label, lambda: self._run_each(s, defaults, program, buckets, scored))
+        return s, loaded
+
+    def _run_each(self, s: Scheduler, defaults: dict, program: Program, buckets: list[int],
+                  scored: list[int]) -> None:
+        e = self.engine
         for n in scored:   # logprobs and echo: prompt and output scored (scoring.py)
             scoring.score(e, [1] * n)
         # The first admit into an empty state may adopt the prefill's state: the first
         # bucket comes twice, so that an insert is compiled however many buckets there are.
         for b in buckets[:1] + buckets:
-            request = e.request([1] * min(b, self.capacity - 1), self._options())
-            s.admit([self.seated(request)], [None])
+            request = e.request([1] * min(b, self.capacity - 1), _options(defaults))
+            s.admit([self.seated(request, program)], [None])
             s.release([(0, False)])
         s.updates(s.launch(self.steps))
 
@@ -304,6 +333,8 @@ class EngineClient:
 
     def _admit(self) -> None:
         """Waiting choices start in free slots, in order of arrival."""
+        if self._moved is not None and not self.busy_slots:
+            self._move()
         still = collections.deque()
         for job, i in self.waiting:
             if job.cancelled.is_set():
@@ -312,8 +343,8 @@ class EngineClient:
                 continue
             elif job.score is not None and job.score.only:
                 self._score_only(job, i)
-            elif not self.scheduler.free:
-                still.append((job, i))
+            elif self._moved is not None or not self.scheduler.free:
+                still.append((job, i))   # (auto moves once the slots are empty)
             else:
                 request = self.seated(job.choices[i])
                 choice = Choice(job, i, Chunker(getattr(self.model, "tokenizer", None),
@@ -348,7 +379,48 @@ class EngineClient:
 
     def _launch(self) -> None:
         """`steps` iterations of every slot, and what they made final handed out."""
-        self._hand_out(self.scheduler.updates(self.scheduler.launch(self.steps)))
+        t0 = time.perf_counter()
+        updates = self.scheduler.updates(self.scheduler.launch(self.steps))
+        if self.auto is not None:
+            self._learn(time.perf_counter() - t0)
+        self._hand_out(updates)
+
+    # --- auto: learning between launches, moving to another choice (serving_auto.py) ----
+
+    def _learn(self, seconds: float) -> None:
+        choice = self.auto.launched(seconds, self.steps)
+        if choice is not None and self._moving is None and self._moved is None \
+                and choice.candidate not in self._refused:
+            self._moving = threading.Thread(target=self._ready_move, args=(choice,),
+                                            name="packed-ss-auto-move", daemon=True)
+            self._moving.start()
+
+    def _ready_move(self, choice: planner_lib.Choice) -> None:
+        """On a thread of its own, while the slots go on decoding: the programs of
+        `choice` compiled or read (a failure: one warning, and the server stays)."""
+        try:
+            defaults = self._defaults_for(choice)
+            program, sampled = self._slot_program(defaults)
+            if sampled != self.sampled:
+                raise InputError("it does not sample as the server does", "schedule")
+            memory.check(self.engine.model, dataclasses.replace(program, bucket=self._plan[0][-1]),
+                         self.capacity, self.slots)
+            scheduler, _ = self._readied(defaults, program)
+            self._moved = (choice, defaults, program, scheduler)
+        except Exception as e:  # the server goes on with its choice
+            self._refused.add(choice.candidate)
+            log.warning("packed_ss_jax: schedule auto stays on %s: %s cannot be readied "
+                        "(%s: %s)", self.label, choice.candidate.label(self.engine.family),
+                        type(e).__name__, e)
+        finally:
+            self._moving = None
+
+    def _move(self) -> None:
+        """The slots are empty: from now on they decode with the readied choice."""
+        choice, self.defaults, self.program, self.scheduler = self._moved
+        self._moved = None
+        self.auto.moved(choice)
+        self.observer.schedule_in_use(self.label, choice.predicted_tokens_per_s)
 
     def _hand_out(self, updates: list[Update]) -> None:
         """Each seat's newly final ids to its client; seats that are done are taken out."""
@@ -390,6 +462,9 @@ class EngineClient:
             return
         self._put(choice, choice.chunker.last(result), scores)
         self.observer.finished(result, job.first_token_s, time.perf_counter() - job.submitted)
+        if self.auto is not None:
+            request = ended.seat.request
+            self.auto.finished(result, float(request.limits.get("temperature", 0)) > 0)
         self._close(choice, None)
 
     def _streamed_scores(self, u: Update, chunk):

@@ -67,8 +67,9 @@ class Programs(dict):
 
     def used(self, key):
         """The program of `key` (None if not held), now the most recently used."""
-        if self.asked is not None:
-            self.asked.add(key)
+        asked = self.asked   # read once: a warm-up on another thread may end meanwhile
+        if asked is not None:
+            asked.add(key)
         exe = self.get(key)
         if exe is not None:
             _recent[(id(self), key)] = weakref.ref(self)

@@ -73,6 +73,11 @@ SLOW: dict[str, tuple[str, tuple[str, ...] | None]] = {
          ("nemotron-packed-0.0-ltr", "setdlm-packed-0.0-ltr")),
     "test_stream.py::test_stop_sequences_end_the_output_at_the_earliest":
         ("stop markers per schedule and family", ("nemotron-packed", "setdlm-packed")),
+    "test_feedback.py::test_every_path_stays_exact_while_the_choice_changes":
+        ("each path's programs for three candidates; decode stays", ("decode",)),
+    "test_serving_auto.py::test_a_server_moves_to_a_better_choice_and_every_request_stays_exact":
+        ("a second choice's programs compiled while the server decodes (test_auto.py's "
+         "server on auto stays)", None),
     "test_one_engine.py::test_every_schedule_runs_from_the_cli":
         ("every schedule through the CLI", ("nemotron-packed", "setdlm-serial")),
     "test_one_engine.py::test_bench_runs_a_setdlm_checkpoint":

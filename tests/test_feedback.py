@@ -125,3 +125,59 @@ def test_predictions_meet_what_decodes_then_take(model, tmp_path):
     observed = choice.prediction.tokens_per_iteration / (
         slower.get(choice.candidate, 2.5) * choice.prediction.base_iteration_s)
     assert choice.predicted_tokens_per_s == pytest.approx(observed, rel=0.25)
+
+
+PROMPTS = [[3, 5, 7, 2, 9], [4, 4, 6], [8, 2, 3, 5, 5, 6, 7]]
+
+
+def _decodes(model, path: str, i: int, **sampling):
+    """One call of `path` through auto: its results."""
+    import packed_ss_jax as ps
+
+    kw = dict(schedule="auto", max_new_tokens=8, **sampling)
+    if path == "decode":
+        return [ps.decode(model, PROMPTS[i % 3], **kw)]
+    if path == "stream":
+        return [list(ps.stream(model, PROMPTS[i % 3], chunk=3, **kw))[-1].result]
+    if path == "batch":
+        return ps.decode(model, PROMPTS, **kw)
+    return ps.decode_continuous(model, PROMPTS, slots=2, **kw)[0]
+
+
+@pytest.mark.parametrize("path", ["decode", "stream", "batch", "continuous"])
+def test_every_path_stays_exact_while_the_choice_changes(model, tmp_path, path):
+    """Exploration changes the candidate every 16th call of a kind: greedy output stays the
+    reference's, and sampled output is the chosen schedule's with the same seed."""
+    import packed_ss_jax as ps
+
+    p = _planner(model, tmp_path).attach()
+    try:
+        want = {i: ps.decode(model, PROMPTS[i], schedule="ar", max_new_tokens=8).tokens
+                for i in range(3)}
+        used = set()
+        for i in range(feedback.EXPLORE_EVERY + 1):
+            results = _decodes(model, path, i)
+            prompts = [i % 3] if len(results) == 1 else range(3)
+            assert [r.tokens for r in results] == [want[k] for k in prompts]
+            used.add(results[0].auto["label"])
+        assert len(used) >= 2, used   # the best, and one explored
+        for i in range(feedback.EXPLORE_EVERY + 1):
+            results = _decodes(model, path, i, temperature=1.0, seed=i)
+            r = results[0]
+            shape = Candidate(r.schedule, r.width, r.branches).options(
+                families.FAMILIES["nemotron"])
+            fixed = _decodes_fixed(model, path, i, shape)
+            assert [x.tokens for x in results] == [x.tokens for x in fixed]
+    finally:
+        p.detach()
+
+
+def _decodes_fixed(model, path: str, i: int, shape: dict):
+    import packed_ss_jax as ps
+
+    options = DecodeOptions(max_new_tokens=8, temperature=1.0, seed=i, **shape)
+    if path in ("decode", "stream"):
+        return [ps.decode(model, PROMPTS[i % 3], options=options)]
+    if path == "batch":
+        return ps.decode(model, PROMPTS, options=options)
+    return ps.decode_continuous(model, PROMPTS, slots=2, options=options)[0]

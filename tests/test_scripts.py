@@ -185,13 +185,16 @@ def test_auto(tmp_path, capsys):
     assert auto.main(["--models", "nld-tiny", "--width", "4", "--schedules", "packed",
                       "--prompts", "2",
                       "--calibration", "2", "--rounds", "1", "--max-new-tokens", "8",
-                      "--batches", "2", "--json", str(out)]) == 0
+                      "--batches", "2", "--load", "quiet,loaded", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "| auto |" in text and "| packed B=4 |" in text and "auto chose" in text
     run = json.loads(out.read_text())["runs"][0]
     assert run["candidates"] == 2 and run["calibration_s"] > 0   # ar and packed B=4
-    assert [r["batch"] for r in run["rows"]] == [2]
+    assert [(r["load"], r["batch"]) for r in run["rows"]] == [("quiet", 2), ("loaded", 2)]
     assert all(r["auto_choices"] and r["auto_vs_best"] > 0 for r in run["rows"])
+    # every auto call's prediction beside what it made (2 prompts, 2 at a time, 2 rounds)
+    assert all(len(r["predictions"]) == 2 and r["predictions"][0]["observed"] > 0
+               for r in run["rows"])
 
 
 def test_cost_check(tmp_path, capsys):

@@ -15,7 +15,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import api, chat, client as client_lib
+from .. import api, chat
 from ..client import Draining, EngineClient, Job
 from . import errors, formats
 from .errors import APIError, Scrubber
@@ -45,11 +45,9 @@ def create_app(model, name: str, *, schedule: str = "packed", width: dict | None
     limits = limits or Limits()
     if max_model_len is None:
         max_model_len = min(model.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-    auto = None
-    if schedule == "auto":
-        schedule, width, auto = client_lib.choose_auto(model, width, max_model_len, slots)
     defaults = dict(schedule=schedule, **(width or {}), cache_size=max_model_len)
     service = Service(model, name, defaults, limits, slots, steps, max_queue, warm, on_ready)
+    auto = None if service.decoder.auto is None else service.decoder.auto.summary
     service.gauges.schedule_in_use(
         service.decoder.label, None if auto is None else auto["predicted_tokens_per_s"])
     docs = dict(docs_url="/docs", redoc_url=None, openapi_url="/openapi.json") if limits.docs \

@@ -60,6 +60,7 @@ class Metrics:
             self.tpot.observe(max(wall_s - first_token_s, 0.0) / (n - 1))
 
     def schedule_in_use(self, label: str, predicted_tokens_per_s: float | None) -> None:
+        self.schedule.clear()   # auto may move to another
         self.schedule.labels(label).set(1)
         self.predicted.set(predicted_tokens_per_s or 0.0)
 
