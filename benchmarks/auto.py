@@ -41,7 +41,7 @@ from packed_ss_jax.training import corpus
 
 AUTO = "auto"
 LOADS = ("quiet", "loaded")
-LEARNED = 20   # auto calls after which its predictions are compared with what it made
+LEARNED = 20   # requests after which auto's predictions are compared with what it made
 
 
 def _arguments(argv) -> argparse.Namespace:
@@ -80,7 +80,7 @@ def _decode(model, prompts, batch: int, options: dict, max_new: int, predictions
         wall += out[0].wall_s
         compile_s += out[0].compile_s
         if predictions is not None:
-            predictions.append({"label": out[0].auto["label"],
+            predictions.append({"label": out[0].auto["label"], "requests": len(out),
                                 "explored": out[0].auto["explored"],
                                 "predicted": out[0].auto["predicted_tokens_per_s"],
                                 "observed": sum(len(r.tokens) for r in out) / out[0].wall_s})
@@ -167,18 +167,27 @@ def _measure_batch(name, family, model, prompts, want, settings, batch, load, ar
         print(f"{name} {load} batch {batch}: round {rnd} done", file=sys.stderr, flush=True)
     median = {k: statistics.median(v) for k, v in speeds.items()}
     best = max((k for k in median if k != AUTO), key=median.get)
-    errors = [abs(p["predicted"] / p["observed"] - 1) for p in predictions[LEARNED:]
-              if not p["explored"]]
     row = {"model": name, "load": load, "batch": batch, "tokens_per_s": median,
            "rounds": dict(speeds), "best_fixed": best,
            "auto_vs_best": median[AUTO] / median[best], "auto_choices": dict(choices),
-           "predictions": predictions,
-           "error_after": statistics.median(errors) if errors else None,
-           "error_after_max": max(errors) if errors else None}
+           "predictions": predictions, **prediction_errors(predictions)}
     print(f"{name} {load} batch {batch}: auto {median[AUTO]:.0f} tokens/s, best fixed {best} "
           f"{median[best]:.0f} ({row['auto_vs_best']:.3f}x); auto chose {dict(choices)}",
           file=sys.stderr, flush=True)
     return row
+
+
+def prediction_errors(predictions: list[dict]) -> dict:
+    """How far auto's predicted tokens/s were from what its calls made, once it had
+    decoded LEARNED requests in this setting: the median and the largest |predicted /
+    observed - 1| of the calls that chose (explored calls left out)."""
+    seen, errors = 0, []
+    for p in predictions:
+        if seen >= LEARNED and not p["explored"]:
+            errors.append(abs(p["predicted"] / p["observed"] - 1))
+        seen += p["requests"]
+    return {"error_after": statistics.median(errors) if errors else None,
+            "error_after_max": max(errors) if errors else None, "calls_after": len(errors)}
 
 
 def markdown(runs: list[dict]) -> str:
@@ -194,7 +203,7 @@ def markdown(runs: list[dict]) -> str:
             cells = [f"{r['tokens_per_s'][label]:.0f}" for r in run["rows"]]
             out.append(f"| {label} | " + " | ".join(cells) + " |")
         out.append(f"\n| {run['model']} | best fixed | auto / best | auto chose | "
-                   f"auto calls | predicted / observed, call 1 | after call {LEARNED}: "
+                   f"auto calls | predicted / observed, call 1 | after {LEARNED} requests: "
                    "median error | max error |")
         out.append("|---|---|---|---|---|---|---|---|")
         for r in run["rows"]:

@@ -1,8 +1,8 @@
 """Time per call of each schedule's row buffer on Nemotron 3B/8B shapes (random bf16 weights).
 
 For every model shape, cache length and row count (AR: 1; Linear-SS and Packed-SS: 2B;
-Quadratic-SS: B(B+1)), the jitted forward is run REPEAT times inside one XLA loop and
-the time per call is reported next to the weight-streaming bound (parameter bytes /
+Quadratic-SS: B(B+1)), the jitted forward is run at least --repeat times inside one XLA loop (as many as
+make a timed loop last cost.MIN_RUN_S) and the time per call is reported next to the weight-streaming bound (parameter bytes /
 memory bandwidth): at batch size 1 a call can't be faster than reading every weight once.
 
     python -m benchmarks.gpu_timing                  # 3B and 8B, B=32 (Q-SS B=8)
@@ -87,8 +87,8 @@ def calls(B, Bq, mask_id: int):
 
 
 def time_forward(forward, params, call, cache, cache_len, out_rows, repeat: int) -> float:
-    """Seconds per call of `forward` on one layout (cost.seconds_per_call: `repeat` calls
-    inside one jitted loop, best of three)."""
+    """Seconds per call of `forward` on one layout (cost.seconds_per_call: the median of
+    timed loops of at least `repeat` calls)."""
     def one(params, tokens, cache):
         return forward(params, tokens, call.positions, call.mask, cache, jnp.int32(cache_len),
                        call.draft_rows, out_rows)[0]

@@ -33,9 +33,8 @@ from .calls import causal
 ENV = "PACKED_SS_COST_DIR"
 ROWS = (1, 8, 32, 128)      # the calibration's row counts
 SLOTS = (256, 2048)         # and cache sizes (capped at the model's context)
-REPEAT = 8                  # calls per timed loop, at least
-MIN_RUN_S = 0.02            # and as many more as make a timed loop last this long
-MAX_REPEAT = 4096
+MIN_RUN_S = 0.02            # a timed loop of calls lasts about this long
+MAX_REPEAT = 4096           # calls in one timed loop at most
 RUNS = 5                    # timed loops per point: their median is kept
 UNSTABLE = 0.25             # a point whose runs spread past this share of their median
                             # is measured again, longer; if it stays so, the calibration
@@ -135,17 +134,17 @@ def calibration_id(model) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def seconds_per_call(call, params, tokens, cache, repeat: int = REPEAT) -> float:
+def seconds_per_call(call, params, tokens, cache, repeat: int = 1) -> float:
     """Seconds per `call(params, tokens, cache) -> logits`: the median of `run_times`."""
     return statistics.median(run_times(call, params, tokens, cache, repeat))
 
 
-def run_times(call, params, tokens, cache, repeat: int = REPEAT, runs: int = RUNS) -> list:
+def run_times(call, params, tokens, cache, repeat: int = 1, runs: int = RUNS) -> list:
     """Seconds per `call(params, tokens, cache) -> logits` in each of `runs` timed runs of
-    at least `repeat` calls inside one jitted loop, as many more as make a run last
-    MIN_RUN_S (a call of a small model takes microseconds, too short to time alone).
-    A first run compiles, untimed. Each call's input depends on the previous output, so
-    XLA cannot hoist the call out of the loop."""
+    one jitted loop of calls: at least `repeat` calls, and as many as make a run last
+    about MIN_RUN_S (a small model's call takes microseconds, too short to time alone;
+    a large one's a run of one). A first run compiles, untimed. Each call's input
+    depends on the previous output, so XLA cannot hoist the call out of the loop."""
 
     @jax.jit
     def run(params, tokens, cache, n):
@@ -156,20 +155,20 @@ def run_times(call, params, tokens, cache, repeat: int = REPEAT, runs: int = RUN
             return tokens.at[(0,) * tokens.ndim].add(flag), acc + first
         return jax.lax.fori_loop(0, n, body, (tokens, jnp.float32(0)))
 
-    jax.block_until_ready(run(params, tokens, cache, repeat))
-    t0 = time.perf_counter()
-    jax.block_until_ready(run(params, tokens, cache, repeat))
-    each = (time.perf_counter() - t0) / repeat
-    n = min(max(repeat, math.ceil(MIN_RUN_S / max(each, 1e-9))), MAX_REPEAT)
-    times = []
-    for _ in range(runs):
+    def timed(n: int) -> float:
         t0 = time.perf_counter()
         jax.block_until_ready(run(params, tokens, cache, n))
-        times.append((time.perf_counter() - t0) / n)
-    return times
+        return time.perf_counter() - t0
+
+    timed(repeat)   # compiles
+    n, took = repeat, timed(repeat)
+    while took < MIN_RUN_S / 2 and n < MAX_REPEAT:   # a run too short to time: longer
+        n = min(MAX_REPEAT, math.ceil(n * MIN_RUN_S / max(took, 1e-6)))
+        took = timed(n)
+    return [took / n] + [timed(n) / n for _ in range(runs - 1)]
 
 
-def time_call(model, rows: int, slots: int, repeat: int = REPEAT, runs: int = RUNS) -> list:
+def time_call(model, rows: int, slots: int, repeat: int = 1, runs: int = RUNS) -> list:
     """Seconds per call of `rows` causal rows after `slots - rows` cached ones, over a
     cache of `slots` slots (what a decoding call of that many rows costs), in each of
     `runs` timed runs."""
@@ -184,7 +183,7 @@ def time_call(model, rows: int, slots: int, repeat: int = REPEAT, runs: int = RU
                      repeat, runs)
 
 
-def calibrate(model, rows=ROWS, slots=SLOTS, repeat: int = REPEAT) -> CostModel:
+def calibrate(model, rows=ROWS, slots=SLOTS, repeat: int = 1) -> CostModel:
     """Times the model's call at every (cache size, rows) point: cache sizes are capped at
     the model's context, and row counts that do not fit the smallest size left out. Each
     point keeps the median of its runs; a point whose runs spread past UNSTABLE is
