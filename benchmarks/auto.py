@@ -79,7 +79,7 @@ def _decode(model, prompts, batch: int, options: dict, max_new: int, predictions
         results += out
         wall += out[0].wall_s
         compile_s += out[0].compile_s
-        if predictions is not None:
+        if predictions is not None and out[0].wall_s > 0 and any(r.tokens for r in out):
             predictions.append({"label": out[0].auto["label"], "requests": len(out),
                                 "explored": out[0].auto["explored"],
                                 "predicted": out[0].auto["predicted_tokens_per_s"],
@@ -88,7 +88,8 @@ def _decode(model, prompts, batch: int, options: dict, max_new: int, predictions
 
 
 class _Load:
-    """A CPU-bound process beside the benchmark while the `with` lasts."""
+    """A CPU-bound process beside the benchmark while the `with` lasts: one core's worth
+    (a busy loop), half of a 2-core machine."""
 
     def __enter__(self):
         self.process = subprocess.Popen([sys.executable, "-c", "while True: pass"])

@@ -9,6 +9,7 @@ or `window=`, to `DecodeOptions.width`), and hand the request to the model's `En
 from __future__ import annotations
 
 import dataclasses
+import math
 import functools
 import inspect
 from collections.abc import Iterator, Mapping
@@ -316,8 +317,10 @@ def decode_continuous(model, prompts: Sequence, *, slots: int = 8, every: int = 
     slots = min(slots, len(batch.members))
     every = min(every, batch.members[0].max_new + 1)
     out = continuous.decode_queue(engine, batch, slots, every)   # (results, stats)
-    # Every request's iterations ran beside the others': the loop's seconds per step.
-    _observed(engine, options, out[0], out[1].loop_s / max(out[1].steps, 1))
+    # Every request's iterations ran beside the others': the loop's seconds per step
+    # (no step: nothing to time, NaN is dropped).
+    stats = out[1]
+    _observed(engine, options, out[0], stats.loop_s / stats.steps if stats.steps else math.nan)
     return out
 
 

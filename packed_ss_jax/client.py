@@ -132,8 +132,6 @@ class EngineClient:
             defaults = self._defaults_for(self.auto.choice)
         self.defaults = defaults
         self.program, self.sampled = self._slot_program(defaults)
-        if self.auto is not None and self.sampled:
-            self.auto.keep_sampling()
         self.scheduler: Scheduler | None = None   # made by `warm`
         # auto's next choice: readied on a thread of its own (`_ready_move`), then moved
         # to once the slots are empty (`_move`)
@@ -181,7 +179,8 @@ class EngineClient:
     def seated(self, request: Request, program: Program | None = None) -> Request:
         """`request` on the slots' program (or `program`): its schedule, width and k
         those of the slots, so that a request checked before `auto` moved is decoded by
-        the new choice (as exactly: each candidate gives the reference's tokens)."""
+        the new choice (greedy, the same tokens; sampled, its seed's with that schedule,
+        which its result reports)."""
         program = program or self.program
         if request.program.shape != program.shape:
             request = dataclasses.replace(request, program=dataclasses.replace(
@@ -379,31 +378,50 @@ class EngineClient:
 
     def _launch(self) -> None:
         """`steps` iterations of every slot, and what they made final handed out."""
-        t0 = time.perf_counter()
-        updates = self.scheduler.updates(self.scheduler.launch(self.steps))
+        t0, compiled = time.perf_counter(), self.engine.compile_s
+        launch = self.scheduler.launch(self.steps)
+        updates = self.scheduler.updates(launch)
         if self.auto is not None:
-            self._learn(time.perf_counter() - t0)
+            # A launch that shared the device with a move's compile and warm-up is not
+            # what the current choice costs.
+            beside = self._moving is not None or self.engine.compile_s != compiled
+            self._learn(time.perf_counter() - t0, None if beside else int(launch.ran))
         self._hand_out(updates)
 
     # --- auto: learning between launches, moving to another choice (serving_auto.py) ----
 
-    def _learn(self, seconds: float) -> None:
-        choice = self.auto.launched(seconds, self.steps)
-        if choice is not None and self._moving is None and self._moved is None \
-                and choice.candidate not in self._refused:
+    def _learn(self, seconds: float, ran: int | None) -> None:
+        """A launch of `ran` iterations (None: not to be learnt from) took `seconds`;
+        a new choice that differs from the slots' is readied, one that no longer
+        differs drops a move readied meanwhile."""
+        try:
+            choice = self.auto.launched(seconds, ran)
+        except Exception as e:  # the choice is a speed's, never the requests': stay
+            log.warning("packed_ss_jax: schedule auto could not choose again (%s: %s); "
+                        "staying on %s", type(e).__name__, e, self.label)
+            return
+        if choice is None:
+            return
+        pending = self._moved
+        if pending is not None and pending[0].candidate != choice.candidate:
+            self._moved = None   # readied for a choice made since: not moved to
+        if choice.candidate != self.auto.choice.candidate and self._moving is None \
+                and self._moved is None and choice.candidate not in self._refused:
             self._moving = threading.Thread(target=self._ready_move, args=(choice,),
                                             name="packed-ss-auto-move", daemon=True)
             self._moving.start()
 
     def _ready_move(self, choice: planner_lib.Choice) -> None:
         """On a thread of its own, while the slots go on decoding: the programs of
-        `choice` compiled or read (a failure: one warning, and the server stays)."""
+        `choice` compiled or read (a failure: one warning; the server stays, and does
+        not try that candidate again until it has moved)."""
         try:
             defaults = self._defaults_for(choice)
             program, sampled = self._slot_program(defaults)
             if sampled != self.sampled:
                 raise InputError("it does not sample as the server does", "schedule")
-            memory.check(self.engine.model, dataclasses.replace(program, bucket=self._plan[0][-1]),
+            memory.check(self.engine.model,
+                         dataclasses.replace(program, bucket=self._plan[0][-1]),
                          self.capacity, self.slots)
             scheduler, _ = self._readied(defaults, program)
             self._moved = (choice, defaults, program, scheduler)
@@ -416,11 +434,23 @@ class EngineClient:
             self._moving = None
 
     def _move(self) -> None:
-        """The slots are empty: from now on they decode with the readied choice."""
+        """The slots are empty: from now on they decode with the readied choice, and the
+        previous choice's programs are let go (the bound on held programs keeps two
+        choices' worth, not more)."""
+        old = self.program.shape
         choice, self.defaults, self.program, self.scheduler = self._moved
         self._moved = None
+        self._refused.clear()
+        self.engine.forget(lambda key: getattr(key.program, "shape", None) != old)
         self.auto.moved(choice)
         self.observer.schedule_in_use(self.label, choice.predicted_tokens_per_s)
+
+    @property
+    def running(self) -> bool:
+        """Whether a thread of this client is still at work (the decoder's, or one
+        readying auto's next choice)."""
+        moving = self._moving
+        return self.thread.is_alive() or (moving is not None and moving.is_alive())
 
     def _hand_out(self, updates: list[Update]) -> None:
         """Each seat's newly final ids to its client; seats that are done are taken out."""
@@ -463,8 +493,7 @@ class EngineClient:
         self._put(choice, choice.chunker.last(result), scores)
         self.observer.finished(result, job.first_token_s, time.perf_counter() - job.submitted)
         if self.auto is not None:
-            request = ended.seat.request
-            self.auto.finished(result, float(request.limits.get("temperature", 0)) > 0)
+            self.auto.finished(result)
         self._close(choice, None)
 
     def _streamed_scores(self, u: Update, chunk):
@@ -503,10 +532,10 @@ class EngineClient:
     def _end_early(self, job: Job, outcome: str) -> None:
         """A job ended early ("cancelled": its client left; "error"): each of its choices
         still open ends so (the metrics count choices), the job once."""
-        if outcome == "cancelled":
-            self.cancelled += 1
         for _ in range(job.open):
             self.observer.ended(outcome)
+        if outcome == "cancelled":   # after the metrics: /health's count lags theirs
+            self.cancelled += 1
         job.open, job.finished = 0, True
 
     def _fail_all(self, error: Exception) -> None:

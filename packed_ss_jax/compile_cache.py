@@ -27,7 +27,7 @@ EXECUTABLES_ENV = "PACKED_SS_EXECUTABLES"
 OFF = ("", "0", "off", "none", "false", "no")
 
 _state = {"configured": False, "explicit": None, "dir": None}
-_warned: set[str] = set()  # directories refused already: one warning each per process
+_warned: set[tuple[str, str]] = set()  # (what, directory) refused: one warning each
 log = logging.getLogger(__name__)
 
 
@@ -105,8 +105,8 @@ def trusted(path: Path, what: str = "the compile cache",
         problem = f"cannot be checked ({e.strerror or e})", None
     if problem is None:
         return real
-    if str(path) not in _warned:
-        _warned.add(str(path))
+    if (what, str(path)) not in _warned:
+        _warned.add((what, str(path)))
         problem_text, fix = problem
         other = f"choose {'another' if fix else 'a'} directory of your own with {choose}"
         log.warning(f"packed_ss_jax: not using {what} {str(path)!r}: it {problem_text} "

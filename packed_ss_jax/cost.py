@@ -263,10 +263,13 @@ def read_json(path: Path):
     except OSError as e:
         raise ValueError(f"cannot be opened: {e.strerror or e}") from None
     with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if (problem := compile_cache.file_problem(info)) is not None:
-            raise ValueError(problem)
-        data = f.read(MAX_FILE_BYTES + 1)
+        try:
+            info = os.fstat(f.fileno())
+            if (problem := compile_cache.file_problem(info)) is not None:
+                raise ValueError(problem)
+            data = f.read(MAX_FILE_BYTES + 1)
+        except OSError as e:
+            raise ValueError(f"cannot be read: {e.strerror or e}") from None
     if max(len(data), info.st_size) > MAX_FILE_BYTES:
         raise ValueError(f"{max(len(data), info.st_size)} bytes, over the bound of "
                          f"{MAX_FILE_BYTES}")

@@ -19,6 +19,7 @@ tensor-parallel over "model".
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -162,17 +163,21 @@ class Engine:
         store = self._programs
         wanted = executables.recall(store.identity, label)
         loaded = self.preload([n for n in wanted.values() if n]) if wanted else 0
-        if wanted is not None and set(wanted) <= {repr(k) for k in store}:
+        if wanted is not None and set(wanted) <= {repr(k) for k in list(store)}:
             return loaded, False
-        store.asked = set()
+        store.recording = threading.get_ident(), set()
         try:
             run()
-            asked = store.asked
+            asked = store.recording[1]
         finally:
-            store.asked = None
+            store.recording = None
         executables.remember(store.identity, label,
                              {repr(k): store.entries.get(k) for k in asked})
         return loaded, True
+
+    def forget(self, keep: Callable) -> None:
+        """Lets go of the compiled programs whose `programs.Key` `keep` refuses."""
+        self._programs.drop(keep)
 
     def executables(self) -> dict:
         """The compiled programs held, by `programs.Key` (for profiling: `.as_text()`)."""

@@ -292,11 +292,14 @@ class Planner:
         return Prediction(c, per_iteration, seconds, sequences * per_iteration / seconds, base)
 
     def choose(self, options: DecodeOptions, prompt_len: int, sequences: int = 1,
-               explore: bool = True) -> Choice:
+               explore: bool = True, fits_now: bool = True) -> Choice:
         """The fastest feasible candidate for `sequences` prompts of at most `prompt_len`
         tokens decoded with `options` (schedule "auto"; a width or branches given keep
         the candidates of that width or k); with `explore`, one choice in EXPLORE_EVERY
-        of a kind may be another close candidate (feedback.py)."""
+        of a kind may be another close candidate (feedback.py). `fits_now`: a candidate
+        whose decode state does not fit the memory free now is left out (a server's
+        choice made again leaves this to its move, its own state holding that memory,
+        and keeps to the candidates calibrated already)."""
         family, config = self.family, self.engine.model.config
         width = self._check(options)
         # Every other option is checked once, on the reference: its errors are the
@@ -322,7 +325,10 @@ class Planner:
                 checked = self.options_for(options, c).check(
                     family, config, tokenizer=tokenizer, prompt_len=prompt_len)
                 program = checked.program
-                memory.check(self.engine.model, program, checked.max_new, sequences)
+                if fits_now:
+                    memory.check(self.engine.model, program, checked.max_new, sequences)
+                elif not self.acceptance.knows(c):
+                    continue   # not calibrated: never calibrated here, beside a server
             except InputError:   # its block or its state does not fit: not a candidate
                 continue
             # What a call reads: the cache and one block of headroom (memory.state_bytes).
@@ -393,7 +399,10 @@ class Planner:
         c = Candidate(r.schedule, r.width, r.branches)
         self.acceptance.observe(c, r.auto["sampled"], results)
         if iteration_s is None:
-            iteration_s = max(x.wall_s for x in results) / max(max(x.iterations for x in results), 1)
+            iterations = max(x.iterations for x in results)
+            if iterations <= 0:   # the first call alone: no iteration to time
+                return
+            iteration_s = max(x.wall_s for x in results) / iterations
         self.feedback.observe(c, r.auto["sequences"], r.auto["base_iteration_s"], iteration_s)
 
 

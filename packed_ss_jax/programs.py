@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import os
+import threading
 import time
 import weakref
 from typing import Callable, NamedTuple
@@ -62,30 +63,42 @@ class Programs(dict):
     def __init__(self, identity=None):
         super().__init__()
         self.identity = identity
-        self.asked: set | None = None   # keys asked for while a warm-up records them
+        # (the thread of a warm-up, the keys it asked for): what it notes for the next
+        # process; other threads decoding meanwhile are not its programs
+        self.recording: tuple[int, set] | None = None
         self.entries: dict = {}   # key -> the name of its entry on disk (executables.py)
 
     def used(self, key):
         """The program of `key` (None if not held), now the most recently used."""
-        asked = self.asked   # read once: a warm-up on another thread may end meanwhile
-        if asked is not None:
-            asked.add(key)
-        exe = self.get(key)
-        if exe is not None:
-            _recent[(id(self), key)] = weakref.ref(self)
-            _recent.move_to_end((id(self), key))
+        recording = self.recording   # read once: a warm-up on another thread may end
+        if recording is not None and recording[0] == threading.get_ident():
+            recording[1].add(key)
+        with _lock:
+            exe = self.get(key)
+            if exe is not None:
+                _recent[(id(self), key)] = weakref.ref(self)
+                _recent.move_to_end((id(self), key))
         return exe
 
     def hold(self, key, exe) -> None:
-        self[key] = exe
-        _recent[(id(self), key)] = weakref.ref(self)
-        for k, store in list(_recent.items()):  # entries of stores gone
-            if store() is None:
-                del _recent[k]
-        while len(_recent) > max_programs():
-            (_, old), store = _recent.popitem(last=False)
-            if (held := store()) is not None:
-                held.pop(old, None)
+        with _lock:
+            self[key] = exe
+            _recent[(id(self), key)] = weakref.ref(self)
+            for k, store in list(_recent.items()):  # entries of stores gone
+                if store() is None:
+                    del _recent[k]
+            while len(_recent) > max_programs():
+                (_, old), store = _recent.popitem(last=False)
+                if (held := store()) is not None:
+                    held.pop(old, None)
+
+    def drop(self, keep: Callable) -> None:
+        """Lets go of the programs whose key `keep(key)` refuses (a server's previous
+        choice of schedule, so that its programs do not crowd the current one's)."""
+        with _lock:
+            for key in [k for k in self if not keep(k)]:
+                self.pop(key, None)
+                _recent.pop((id(self), key), None)
 
     def preload(self, names=None) -> int:
         """Holds the programs kept on disk for this store's identity (executables.py): the
@@ -116,16 +129,18 @@ class Programs(dict):
 
 # Every held program, least recently used first: (id of its store, key) -> its store.
 _recent: collections.OrderedDict = collections.OrderedDict()
+_lock = threading.RLock()   # a server readies programs beside its decoder thread
 
 
 def clear_programs() -> None:
     """Lets go of every compiled program of this process (to free their memory between
     jobs); a program asked for again is compiled again, or read back from the persistent
     compilation cache."""
-    for key, store in list(_recent.items()):
-        if (held := store()) is not None:
-            held.pop(key[1], None)
-    _recent.clear()
+    with _lock:
+        for key, store in list(_recent.items()):
+            if (held := store()) is not None:
+                held.pop(key[1], None)
+        _recent.clear()
 
 
 # Stores by (the model's compile identity, the weights' placement), held weakly: alive

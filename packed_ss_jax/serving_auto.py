@@ -8,13 +8,14 @@ tokens and iterations (the acceptance model's running tally: the server's own wo
 not the calibration prompts). Every `REPLAN_EVERY` launches the choice is made again;
 when another candidate wins (past the planner's margin), the client readies its
 programs on a thread of their own while the slots go on decoding, then lets the slots
-empty and moves to it (client.py). Every candidate is exact, so a request's tokens are
-the same whichever decodes it.
+empty and moves to it (client.py). Every candidate is exact: a greedy request gets the
+same tokens whichever decodes it, a sampled one its seed's tokens with the schedule its
+result reports.
 
 It explores as a library decode does (feedback.py), one choice in EXPLORE_EVERY, but a
-choice here is made every REPLAN_EVERY launches: a close candidate not observed lately is
-tried for REPLAN_EVERY launches in EXPLORE_EVERY x REPLAN_EVERY, at the price of two
-movements (the slots emptied twice) and, the first time, its compile beside the slots.
+choice here is made every REPLAN_EVERY launches: a close candidate not observed lately
+gets REPLAN_EVERY launches, at the price of two moves (the slots emptied twice) and, the
+first time, its compile beside the slots.
 """
 
 from __future__ import annotations
@@ -31,52 +32,48 @@ def _options(max_model_len: int, width: dict | None, **sampling) -> DecodeOption
 
 
 class ServingAuto:
-    """What a server on "auto" learns and chooses (see the module doc). Used on the
-    decoder thread only."""
+    """What a server on "auto" learns and chooses (see the module doc). Made with the
+    server; told of launches and finished requests on the decoder thread."""
 
     def __init__(self, model, max_model_len: int, width: dict | None, slots: int):
         self.planner = Planner.of(model)
         self.family = self.planner.family
-        self.slots, self.width, self.max_model_len = slots, width, max_model_len
-        self.options = _options(max_model_len, width)
+        self.slots = slots
+        # Every exact candidate samples, so a server on auto takes sampled requests: its
+        # choices are made for them, and only among candidates that sample.
+        self.options = _options(max_model_len, width, temperature=1.0)
         self.choice: Choice = self.planner.choose(self.options, 1, slots, explore=False)
-        self.launches = 0
-
-    def keep_sampling(self) -> None:
-        """The server samples: later choices keep to candidates that sample (the requests
-        it takes must not change with the choice)."""
-        self.options = _options(self.max_model_len, self.width, temperature=1.0)
+        self.launches = 0   # since the last move
 
     @property
     def summary(self) -> dict:
         return self.choice.summary(self.family)
 
-    def shape(self) -> dict:
-        """The chosen candidate's schedule and shape, as the server's defaults hold them."""
-        return self.choice.candidate.options(self.family)
-
-    def launched(self, seconds: float, steps: int) -> Choice | None:
-        """A launch of `steps` iterations of every slot took `seconds` (its calls and the
-        read-back of its progress): reported. Every REPLAN_EVERY launches, the choice
-        made again: returned when it is another candidate (None: stay)."""
-        if steps <= 0:
-            return None
+    def launched(self, seconds: float, ran: int | None) -> Choice | None:
+        """A launch that ran `ran` iterations of every slot took `seconds` (its calls and
+        the read-back of its progress): reported (not when `ran` is None or 0: a launch
+        beside a compile, or one that found every slot stopped). Every REPLAN_EVERY
+        launches, the choice made again (free memory left out: the server's own state
+        holds it; a move checks its own), and returned; None between."""
         p = self.choice.prediction
-        self.planner.feedback.observe(p.candidate, self.slots, p.base_iteration_s,
-                                      seconds / steps)
+        if ran:
+            self.planner.feedback.observe(p.candidate, self.slots, p.base_iteration_s,
+                                          seconds / ran)
         self.launches += 1
         if self.launches % REPLAN_EVERY:
             return None
-        choice = self.planner.choose(self.options, 1, self.slots)
+        choice = self.planner.choose(self.options, 1, self.slots, fits_now=False)
         if choice.candidate == self.choice.candidate:
             self.choice = choice   # the same candidate, predicted afresh
-            return None
         return choice
 
     def moved(self, choice: Choice) -> None:
-        """The slots now decode with `choice`."""
-        self.choice = choice
+        """The slots now decode with `choice`: it gets REPLAN_EVERY launches before the
+        next choice."""
+        self.choice, self.launches = choice, 0
 
-    def finished(self, result, sampled: bool) -> None:
-        """A request decoded with the current choice ended: its acceptance is tallied."""
-        self.planner.acceptance.observe(self.choice.candidate, sampled, [result])
+    def finished(self, result) -> None:
+        """A request decoded with the current choice ended: its tokens and iterations join
+        the acceptance tally of the kind the server chooses for (sampled), greedy or
+        not: the server's own mix of requests is what its choice is for."""
+        self.planner.acceptance.observe(self.choice.candidate, True, [result])

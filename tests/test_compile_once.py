@@ -151,3 +151,26 @@ def test_the_process_holds_at_most_max_programs(monkeypatch):
     monkeypatch.setenv("PACKED_SS_MAX_PROGRAMS", "2")
     programs.keep_at_least(5)   # a server holding every program it compiled at startup
     assert programs.max_programs() == 5
+
+
+def test_a_warm_up_notes_its_own_thread_s_programs_and_a_store_drops_what_it_is_told():
+    """A server readies its next choice on one thread while its decoder runs on another:
+    the warm-up's note holds the programs it asked for, not the decoder's; and the
+    previous choice's programs can be let go."""
+    import threading
+
+    from packed_ss_jax import programs
+
+    store = programs.Programs()
+    a, b = Key("generate", "old"), Key("generate", "new")
+    store.hold(a, object())
+    store.hold(b, object())
+    store.recording = threading.get_ident(), set()
+    other = threading.Thread(target=store.used, args=(a,))
+    other.start()
+    other.join()
+    store.used(b)
+    assert store.recording[1] == {b}
+    store.recording = None
+    store.drop(lambda key: key.program != "old")
+    assert list(store) == [b] and store.used(a) is None and store.used(b) is not None

@@ -63,7 +63,7 @@ def serve(app, sock: socket.socket, limits: Limits) -> bool:
     threading.Thread(target=_stop_if_not_ready, args=(state.decoder, server), daemon=True,
                      name="packed-ss-start-watch").start()
     server.run(sockets=[sock])
-    return not state.decoder.thread.is_alive() and not state.preparer.busy
+    return not state.decoder.running and not state.preparer.busy
 
 
 def _stop_if_not_ready(decoder, server: uvicorn.Server) -> None:
@@ -119,7 +119,7 @@ class _Draining(uvicorn.Server):
         asyncio.get_running_loop().call_soon_threadsafe(self._drain)
 
     def _drain(self) -> None:
-        for server in self.servers:
+        for server in getattr(self, "servers", ()):   # none yet before uvicorn's startup
             server.close()   # no new connection; the open ones stay until the drain ends
         asyncio.get_running_loop().call_later(self.limits.drain_timeout_s, self._deadline)
 
