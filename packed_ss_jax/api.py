@@ -9,9 +9,9 @@ or `window=`, to `DecodeOptions.width`), and hand the request to the model's `En
 from __future__ import annotations
 
 import dataclasses
-import math
 import functools
 import inspect
+import math
 from collections.abc import Iterator, Mapping
 from typing import Callable, Sequence
 
