@@ -200,6 +200,8 @@ SLOW: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "test_server_fuzz.py::test_chat_fuzz": ("a fuzz run decoding through the server", None),
     "test_server_shutdown.py::test_a_signal_at_a_random_moment_drains":
         ("a server process per signal moment; one stays", ("0-15",)),
+    "test_server_shutdown.py::test_a_request_on_an_idle_keep_alive_connection_while_draining_gets_a_json_503":
+        ("a server process of its own (one drain stays in the quick loop)", None),
     "test_server_limits.py::test_a_tiny_top_p_is_greedy":
         ("a server's tiny top-p (the decode's own stays in test_hostile_inputs.py and "
          "test_cli_hostile.py)", None),
