@@ -317,10 +317,12 @@ def decode_continuous(model, prompts: Sequence, *, slots: int = 8, every: int = 
     slots = min(slots, len(batch.members))
     every = min(every, batch.members[0].max_new + 1)
     out = continuous.decode_queue(engine, batch, slots, every)   # (results, stats)
-    # Every request's iterations ran beside the others': the loop's seconds per step
-    # (no step: nothing to time, NaN is dropped).
-    stats = out[1]
-    _observed(engine, options, out[0], stats.loop_s / stats.steps if stats.steps else math.nan)
+    if options.schedule == planner.AUTO:
+        # Every request's iterations ran beside the others': the loop's seconds per step
+        # (no step: nothing to time, NaN is dropped).
+        stats = out[1]
+        _observed(engine, options, out[0],
+                  stats.loop_s / stats.steps if stats.steps else math.nan)
     return out
 
 
