@@ -15,7 +15,7 @@ step (the forward at `ROWS` rows over the one buffer size the timed calls read, 
    predicted time of an iteration's calls, and the candidate `auto` would pick.
 
     python -m benchmarks.cost_check --shape 8B --dtype bfloat16 --cache 1024 \
-        --measured gpu_check_out/timing.md   # on a GPU, after the GPU check's timing step
+        --measured out/gpu_check/timing.md   # on a GPU, after the GPU check's timing step
     python -m benchmarks.cost_check --smoke  # tiny shapes: checks the script
 """
 

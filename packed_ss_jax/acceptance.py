@@ -28,11 +28,41 @@ Candidate = Shape   # what `auto` chooses among: a schedule at a width with k br
 @dataclasses.dataclass
 class Tally:
     """Decodes seen of one candidate: their tokens, loop iterations (the first call
-    included) and summed accepted-length histogram."""
+    included) and summed accepted-length histogram; a calibration's also their decoder
+    seconds (each decoded alone), the KV slots their calls read, each one's iterations
+    (how far apart the rows of a batch finish), and the seconds of all decoded as one
+    batch."""
 
     tokens: float = 0.0
     iterations: float = 0.0
     accept_hist: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+    seconds: float = 0.0
+    slots: int = 0
+    lengths: tuple[int, ...] = ()
+    batch_s: float = 0.0
+
+    @property
+    def iteration_s(self) -> float | None:
+        """Measured seconds per iteration of one sequence (None: not timed)."""
+        return self.seconds / self.iterations if self.seconds > 0 and self.slots else None
+
+    @property
+    def batch_iteration_s(self) -> float | None:
+        """Measured seconds per iteration of the batch of all `lengths` decoded together
+        (it runs the longest's iterations; None: not timed)."""
+        timed = self.batch_s > 0 and self.slots and self.lengths and max(self.lengths) > 0
+        return self.batch_s / max(self.lengths) if timed else None
+
+    def busy(self, sequences: int) -> float:
+        """The expected share of a batch's row-iterations that decode, for `sequences`
+        sequences started together (a batch runs until its longest decode ends): the mean
+        of `lengths` over the expected largest of `sequences` draws from them."""
+        if sequences <= 1 or not self.lengths:
+            return 1.0
+        x = np.sort(np.asarray(self.lengths, np.float64))
+        at = np.arange(len(x) + 1) / len(x)
+        largest = float(np.sum(x * np.diff(at ** sequences)))
+        return float(x.mean()) / largest if largest > 0 else 1.0
 
     def add(self, tokens: float, iterations: float, accept_hist) -> None:
         self.tokens += tokens
@@ -60,6 +90,11 @@ class AcceptanceModel:
     def add_prior(self, candidate: Candidate, tally: Tally) -> None:
         with self._lock:
             self.prior[candidate] = tally
+
+    def busy(self, candidate: Candidate, sequences: int) -> float:
+        """Tally.busy of the candidate's calibration (1 for a candidate without one)."""
+        p = self.prior.get(candidate)
+        return 1.0 if p is None else p.busy(sequences)
 
     def tokens_per_iteration(self, candidate: Candidate, sampled: bool = False) -> float:
         """The prior's rate weighted as `prior_iterations` iterations, pooled with the
@@ -96,7 +131,9 @@ class AcceptanceModel:
         return out
 
     def prior_json(self) -> list:
-        return [[c.to_json(), t.tokens, t.iterations, t.accept_hist.tolist()]
+        return [[c.to_json(), t.tokens, t.iterations, t.accept_hist.tolist(),
+                 {"seconds": t.seconds, "slots": t.slots, "lengths": list(t.lengths),
+                  "batch_s": t.batch_s}]
                 for c, t in sorted(self.prior.items())]
 
     @classmethod
@@ -104,7 +141,7 @@ class AcceptanceModel:
         """An AcceptanceModel from `prior_json`'s list; ValueError for anything else."""
         try:
             prior = {}
-            for c, tokens, iterations, hist in data:
+            for c, tokens, iterations, hist, *timing in data:
                 tokens, iterations = float(tokens), float(iterations)
                 if not (math.isfinite(tokens) and math.isfinite(iterations)
                         and tokens >= 0 and iterations > 0):
@@ -112,7 +149,23 @@ class AcceptanceModel:
                 hist = np.asarray(hist, np.int64).reshape(-1)
                 if (hist < 0).any():
                     raise ValueError("a negative count in an accepted-length histogram")
-                prior[Candidate.from_json(c)] = Tally(tokens, iterations, hist)
-        except (TypeError, ValueError, OverflowError) as e:
+                prior[Candidate.from_json(c)] = Tally(tokens, iterations, hist,
+                                                      **_timing(*timing))
+        except (TypeError, ValueError, KeyError, OverflowError) as e:
             raise ValueError(f"a malformed acceptance calibration: {e}") from None
         return cls(prior)
+
+
+def _timing(timing: dict | None = None, *rest) -> dict:
+    """A prior's timing fields from its file (none: untimed); ValueError for nonsense."""
+    if rest or not isinstance(timing, (dict, type(None))):
+        raise ValueError("a tally with more than one timing record")
+    if timing is None:
+        return {}
+    seconds, slots = float(timing["seconds"]), int(timing["slots"])
+    batch_s = float(timing["batch_s"])
+    lengths = tuple(int(n) for n in timing["lengths"])
+    if not (math.isfinite(seconds) and seconds >= 0 and math.isfinite(batch_s)
+            and batch_s >= 0 and slots >= 0 and all(n >= 0 for n in lengths)):
+        raise ValueError(f"a timing of {seconds} s (a batch {batch_s} s) over {slots} slots")
+    return {"seconds": seconds, "slots": slots, "lengths": lengths, "batch_s": batch_s}

@@ -184,12 +184,12 @@ def _request(engine: Engine, prompt, messages, chat_template_kwargs,
 
 
 def _chosen(engine: Engine, options: DecodeOptions, prompt_len: int,
-            sequences: int = 1) -> tuple[DecodeOptions, dict]:
+            sequences: int = 1, refilled: bool = False) -> tuple[DecodeOptions, dict]:
     """Schedule "auto" resolved: the options of the candidate the model's planner
     chooses, and the choice's record for the results."""
     p = planner.Planner.of(engine.model)
     options = options_lib.read_once(options)   # stop markers may be an iterator: read once
-    choice = p.choose(options, prompt_len, sequences)
+    choice = p.choose(options, prompt_len, sequences, refilled=refilled)
     return p.options_for(options, choice.candidate), choice.summary(engine.family)
 
 
@@ -209,7 +209,7 @@ def _batch(engine: Engine, prompts, options: DecodeOptions, sequences=None):
     longest = max(len(validate.prompt_ids(engine.model, p, f"prompts[{i}]: "))
                   for i, p in enumerate(prompts))
     at_once = len(prompts) if sequences is None else min(sequences, len(prompts))
-    options, auto = _chosen(engine, options, longest, at_once)
+    options, auto = _chosen(engine, options, longest, at_once, refilled=sequences is not None)
     batch = engine.batch(prompts, options, sequences=sequences)
     return dataclasses.replace(batch, members=tuple(
         dataclasses.replace(r, auto=auto) for r in batch.members))

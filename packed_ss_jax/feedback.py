@@ -1,22 +1,27 @@
-"""What `schedule="auto"` learns from its own decodes: how far the cost model's seconds
-per iteration are from what decodes then take (planner.py).
+"""What `schedule="auto"` learns from its own decodes: how far the predicted seconds per
+iteration are from what decodes then take (planner.py).
 
 Each decode through `auto` reports the seconds per loop iteration it measured beside the
-cost model's prediction for it (its "base"). Their ratio, clamped to [1/BOUND, BOUND] so
-that one wild timing cannot swing the planner, is kept as a running mean of its logarithm
-that weighs the newest observation `DECAY` (older ones fade geometrically): one per
-candidate and number of sequences decoded together, and one of every candidate at that
-number (the machine's state: a process beside it, another clock). A candidate's
-correction is its own mean, blended into the shared one as it goes stale (it counts half
-after `HALF_LIFE` observations of other candidates): a candidate not run for a while, or
-never, is predicted as the machine now runs, not as it ran at calibration.
+prediction before corrections (its "base"). Their log-ratio, clamped to
+[-log BOUND, log BOUND] so that one wild timing cannot swing the planner, is read as
+
+    log(observed / base) = drift + offset of the candidate
+
+per number of sequences decoded together: `drift`, the machine's state (a process beside
+it, another clock) shared by every candidate; a candidate's `offset`, how it runs against
+that (what the base misses of this schedule and width). The first decode at a size sets
+the drift; the first decode of a candidate, or an explored one, sets its offset against
+the drift now. A decode of the kept choice moves the drift by `DECAY` of its error from
+the prediction: every candidate follows the machine as the kept one sees it, each in its
+place against it, until it runs again. Decodes of one candidate cannot tell a slow
+schedule from a slow machine; only decodes of another can, which is what exploring is
+for.
 
 Exploration: one choice in `EXPLORE_EVERY` of a kind decodes with another candidate
-predicted within `EXPLORE_WITHIN` of the best, the one observed least recently, unless
-it was observed within the last `EXPLORE_EVERY` observations. That bounds what exploring
-costs (at most 1 - EXPLORE_WITHIN on one decode in EXPLORE_EVERY) and keeps every close
-candidate's correction fresh, so that a change in the machine's state that favours
-another schedule is found.
+predicted within `EXPLORE_WITHIN` of the best: the fastest predicted of those not run
+within the last `FRESH` decodes. That bounds what exploring costs (at most
+1 - EXPLORE_WITHIN on one decode in EXPLORE_EVERY) and tries first the candidate most
+likely to be faster, so that a machine whose state favours another schedule is found.
 """
 
 from __future__ import annotations
@@ -27,79 +32,74 @@ import threading
 
 from .acceptance import Candidate
 
-DECAY = 0.25          # the newest observation's weight in a running mean
+DECAY = 0.25          # how far a decode of the kept choice moves the drift
 BOUND = 16.0          # an observed/predicted ratio is clamped to [1/BOUND, BOUND]
-HALF_LIFE = 32        # observations after which a candidate's own correction counts half
 EXPLORE_EVERY = 16    # one choice in this many explores
 EXPLORE_WITHIN = 0.8  # only candidates predicted at least this fraction of the best
+FRESH = 2 * EXPLORE_EVERY   # a candidate run within this many decodes is not explored
 
 
 @dataclasses.dataclass
-class Running:
-    """A running mean of log(observed / predicted): its value, the observations in it and
-    the observation count (of every candidate) at the last one."""
+class Offset:
+    """A candidate's log-ratio against the drift, its decodes and the decode count (of
+    every candidate) at the last one."""
 
-    log_ratio: float = 0.0
+    value: float = 0.0
     count: int = 0
     last: int = -1
 
-    def add(self, x: float, tick: int) -> None:
-        self.log_ratio = x if self.count == 0 else (1 - DECAY) * self.log_ratio + DECAY * x
-        self.count += 1
-        self.last = tick
-
 
 class Feedback:
-    """Corrections of the cost model's seconds per iteration (see the module doc).
+    """Corrections of the predicted seconds per iteration (see the module doc).
     Thread-safe: decodes on several threads may report."""
 
     def __init__(self):
-        self.own: dict[tuple[Candidate, int], Running] = {}
-        self.shared: dict[int, Running] = {}
+        self.offsets: dict[tuple[Candidate, int], Offset] = {}
+        self.drift: dict[int, float] = {}
         self.ticks = 0   # observations so far
         self._lock = threading.Lock()
 
     def observe(self, candidate: Candidate, sequences: int, base_s: float,
-                observed_s: float) -> None:
+                observed_s: float, explored: bool = False) -> None:
         """A decode of `sequences` sequences with `candidate` took `observed_s` seconds per
-        iteration where the cost model predicted `base_s`. Nonsense (a zero, a NaN) is
-        dropped: no timing may break the planner."""
+        iteration where `base_s` was predicted before corrections; `explored`: it was
+        tried in place of the best (it sets the candidate's offset). Nonsense (a zero, a
+        NaN) is dropped: no timing may break the planner."""
         if not (base_s > 0 and observed_s > 0 and math.isfinite(base_s)
                 and math.isfinite(observed_s)):
             return
         x = min(max(math.log(observed_s / base_s), -math.log(BOUND)), math.log(BOUND))
         with self._lock:
             self.ticks += 1
-            self.own.setdefault((candidate, sequences), Running()).add(x, self.ticks)
-            self.shared.setdefault(sequences, Running()).add(x, self.ticks)
+            own = self.offsets.setdefault((candidate, sequences), Offset())
+            if sequences not in self.drift:   # the first decode at this size: the machine
+                self.drift[sequences] = x
+            elif explored or own.count == 0:
+                own.value = x - self.drift[sequences]
+            else:
+                self.drift[sequences] += DECAY * (x - self.drift[sequences] - own.value)
+            own.count += 1
+            own.last = self.ticks
 
     def factor(self, candidate: Candidate, sequences: int) -> float:
-        """What to multiply the cost model's seconds per iteration by (1: nothing seen)."""
+        """What to multiply the predicted seconds per iteration by (1: nothing seen)."""
         with self._lock:
-            shared = self.shared.get(sequences)
-            base = 0.0 if shared is None else shared.log_ratio
-            own = self.own.get((candidate, sequences))
-            if own is None:
-                return math.exp(base)
-            weight = 0.5 ** ((self.ticks - own.last) / HALF_LIFE)
-            return math.exp(weight * own.log_ratio + (1 - weight) * base)
+            own = self.offsets.get((candidate, sequences))
+            return math.exp(self.drift.get(sequences, 0.0) + (0.0 if own is None else own.value))
 
-    def stalest(self, candidates, sequences: int) -> Candidate | None:
-        """Of `candidates`, the one observed least recently at `sequences` (never: first),
-        unless even that one was observed within the last EXPLORE_EVERY observations."""
+    def to_explore(self, candidates, sequences: int) -> Candidate | None:
+        """The first of `candidates` (fastest predicted first) not run at `sequences`
+        within the last FRESH decodes; None if every one was."""
         with self._lock:
-            def last(c):
-                own = self.own.get((c, sequences))
-                return -1 if own is None else own.last
-            if not candidates:
-                return None
-            pick = min(candidates, key=last)
-            fresh = last(pick) >= 0 and self.ticks - last(pick) < EXPLORE_EVERY
-            return None if fresh else pick
+            for c in candidates:
+                own = self.offsets.get((c, sequences))
+                if own is None or own.count == 0 or self.ticks - own.last >= FRESH:
+                    return c
+            return None
 
     def table(self) -> list[dict]:
         """Per candidate and number of sequences: the correction now, the observations."""
         with self._lock:
-            rows = list(self.own.items())
-        return [{"candidate": c, "sequences": n, "observations": r.count,
-                 "factor": self.factor(c, n)} for (c, n), r in sorted(rows)]
+            rows = [(key, o.count) for key, o in self.offsets.items()]
+        return [{"candidate": c, "sequences": n, "observations": count,
+                 "factor": self.factor(c, n)} for (c, n), count in sorted(rows)]

@@ -3,13 +3,20 @@ tokens per second for this model on this device, for a request of this size.
 
 A candidate's expected speed is
 
-    sequences x tokens per iteration / sum over the iteration's calls of seconds per call
+    sequences x tokens per iteration x busy / seconds per iteration
 
 with tokens per iteration from the acceptance model (acceptance.py: calibration decodes,
-then the decodes run since) and seconds per call from the cost model (cost.py: the
-forward timed at a few row counts and cache sizes). A batch of N sequences is costed as
-calls of N times the rows; on a device that is compute-bound at that size speculation
-stops paying and AR wins, which is how `auto` decides whether to speculate at all.
+then the decodes run since) and seconds per iteration the sum over the iteration's calls
+of the cost model's seconds per call (cost.py: the forward timed at a few row counts and
+cache sizes). A batch of N sequences is costed as calls of N times the rows; on a device
+that is compute-bound at that size speculation stops paying and AR wins, which is how
+`auto` decides whether to speculate at all. Seconds per iteration are scaled by what
+the candidate's calibration decodes measured against the cost model (a whole iteration:
+its calls and the schedule's own work), alone and as one batch. `busy`: the share of a batch's
+row-iterations that decode, since a batch started together lasts as long as its longest
+decode (Tally.busy, from the calibration decodes' lengths); 1 for one sequence, and for
+slots refilled as they end (decode_continuous, a server). What decodes then take
+corrects the prediction (feedback.py).
 
 Every candidate is exact (greedy output equals the reference's, sampled output follows
 its law), so the choice changes speed, never the tokens. A choice is kept until another
@@ -19,9 +26,10 @@ between programs (each flip compiles one).
 Calibration, on first use of each candidate (kept on disk beside the cost calibration,
 one file per candidate, keyed by the device, the model's shape and a fingerprint of its
 weights, the prompts and the candidate): the cost model's forwards once, then the
-candidate decoding the calibration prompts (by default `DEFAULT_PROMPTS`;
-`Planner.calibrate(prompts)` for a workload's own) as one batch of `CALIBRATION_TOKENS`
-tokens. A request that names a width calibrates only the candidates of that width.
+candidate decoding the calibration prompts as one batch and each alone, timed (by
+default `DEFAULT_PROMPTS`; `Planner.calibrate(prompts)` for a workload's own),
+`CALIBRATION_TOKENS` tokens each. A request that names a width calibrates only the
+candidates of that width.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -43,14 +52,14 @@ from . import cost as cost_lib
 from . import memory, options as options_lib, scheduler, validate
 from .acceptance import AcceptanceModel, Candidate, Tally
 from .engine import Engine
-from .feedback import EXPLORE_EVERY, EXPLORE_WITHIN, Feedback
+from .feedback import BOUND, EXPLORE_EVERY, EXPLORE_WITHIN, Feedback
 from .options import DecodeOptions
 from .validate import InputError
 
 AUTO = "auto"
 MARGIN = 0.05            # a kept choice yields to one predicted this much faster
 CALIBRATION_TOKENS = 64
-VERSION = 1              # of the acceptance file's layout
+VERSION = 2              # of the acceptance file's layout
 # Short prompts of the kinds the paper measures (a word problem, code, prose), for a
 # model with a tokenizer; a model without one is calibrated on seeded random ids.
 DEFAULT_PROMPTS = (
@@ -116,7 +125,8 @@ class Prediction:
     tokens_per_iteration: float
     iteration_s: float        # the cost model's seconds per iteration, corrected (feedback.py)
     tokens_per_s: float
-    base_iteration_s: float   # the cost model's, as calibrated
+    base_iteration_s: float   # the cost model's, scaled by the calibration decodes' timing
+    busy: float = 1.0         # the expected share of the batch's row-iterations that decode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +151,8 @@ class Choice:
         return {"schedule": self.candidate.schedule, "label": self.candidate.label(family),
                 "predicted_tokens_per_s": self.predicted_tokens_per_s,
                 "predicted_iteration_s": p.iteration_s,
-                "base_iteration_s": p.base_iteration_s, "explored": self.explored,
+                "base_iteration_s": p.base_iteration_s, "busy": p.busy,
+                "explored": self.explored,
                 "sequences": self.sequences, "sampled": self.sampled,
                 "candidates": len(self.predictions)}
 
@@ -228,9 +239,9 @@ class Planner:
                   progress: Callable[[int, int, str], None] | None = None) -> None:
         """Measures (or reads back) the cost model and the acceptance prior of
         `candidates` (default: every candidate; a request calibrates the candidates it
-        may use, on first use): each one's greedy decode of `prompts` (texts or id
-        lists; default `DEFAULT_PROMPTS`), `max_new_tokens` each, as one batch. New
-        prompts replace the prior. `progress(i, n, label)` is told before each
+        may use, on first use): each one's greedy decodes of `prompts` (texts or id
+        lists; default `DEFAULT_PROMPTS`), one at a time, `max_new_tokens` each, timed.
+        New prompts replace the prior. `progress(i, n, label)` is told before each
         candidate decodes."""
         with self._lock:
             prompts = self._prompts(prompts)
@@ -274,32 +285,75 @@ class Planner:
         return Path(directory) / f"acceptance-{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
 
     def _decode(self, c: Candidate) -> Tally:
-        engine = self.engine
-        batch = engine.batch(self.prompts, DecodeOptions(**c.options(self.family),
-                                                         max_new_tokens=self.max_new))
-        t = Tally()
-        for r in scheduler.decode_batch(engine, batch):
+        """The candidate's calibration: the prompts decoded as one batch, timed; then each
+        alone, as `decode` of one prompt runs it, timed, on the batch's program size.
+        A program's first run is slower than the rest (its setup): run again."""
+        options = DecodeOptions(**c.options(self.family), max_new_tokens=self.max_new)
+        batch = self.engine.batch(self.prompts, options)
+        results = scheduler.decode_batch(self.engine, batch)
+        if results[0].compile_s > 0:
+            results = scheduler.decode_batch(self.engine, batch)
+        t = Tally(slots=batch.program.capacity + batch.program.width,
+                  batch_s=results[0].wall_s)
+        lengths = []
+        for request in batch.members:
+            r = self.engine.decode(request)
+            if r.compile_s > 0:
+                r = self.engine.decode(request)
             t.add(len(r.tokens), r.iterations, r.accept_hist)
+            t.seconds += r.wall_s
+            lengths.append(r.iterations)
+        t.lengths = tuple(lengths)
         return t
 
     # --- choosing ---------------------------------------------------------------------------
 
-    def predict(self, c: Candidate, sequences: int, slots: int, sampled: bool) -> Prediction:
+    def predict(self, c: Candidate, sequences: int, slots: int, sampled: bool,
+                refilled: bool = False) -> Prediction:
+        """`c`'s expected speed for `sequences` sequences whose calls read `slots` KV
+        slots (see the module doc); `refilled`: slots refilled as they end."""
         per_iteration = self.acceptance.tokens_per_iteration(c, sampled)
-        rows = self.family.iteration_rows(c.schedule, c.width, c.branches)
-        base = sum(self.cost.call_s(sequences * r, slots) for r in rows)
+        base = self._iteration_s(c, sequences, slots) * self._measured(c, sequences)
+        busy = 1.0 if refilled else self.acceptance.busy(c, sequences)
         seconds = base * self.feedback.factor(c, sequences)
-        return Prediction(c, per_iteration, seconds, sequences * per_iteration / seconds, base)
+        return Prediction(c, per_iteration, seconds,
+                          sequences * per_iteration * busy / seconds, base, busy)
+
+    def _iteration_s(self, c: Candidate, sequences: int, slots: int) -> float:
+        rows = self.family.iteration_rows(c.schedule, c.width, c.branches)
+        return sum(self.cost.call_s(sequences * r, slots) for r in rows)
+
+    def _measured(self, c: Candidate, sequences: int) -> float:
+        """How much longer the candidate's calibration decodes took per iteration than
+        the cost model's calls (the schedule's own work, the calls' real sizes): at one
+        sequence, at the calibration's batch, between the two log-linearly in the
+        number of sequences and past the batch as at it; within the feedback's BOUND; 1
+        for a calibration not timed (as a batch, for several sequences)."""
+        p = self.acceptance.prior.get(c)
+        if p is None or p.iteration_s is None:
+            return 1.0
+        one = math.log(p.iteration_s / self._iteration_s(c, 1, p.slots))
+        batch = len(p.lengths)
+        if sequences == 1:
+            at = one
+        elif p.batch_iteration_s is None or batch < 2:
+            return 1.0
+        else:
+            full = math.log(p.batch_iteration_s / self._iteration_s(c, batch, p.slots))
+            at = one + (full - one) * min(1.0, math.log(sequences) / math.log(batch))
+        return math.exp(min(max(at, -math.log(BOUND)), math.log(BOUND)))
 
     def choose(self, options: DecodeOptions, prompt_len: int, sequences: int = 1,
-               explore: bool = True, fits_now: bool = True) -> Choice:
+               explore: bool = True, fits_now: bool = True, refilled: bool = False) -> Choice:
         """The fastest feasible candidate for `sequences` prompts of at most `prompt_len`
         tokens decoded with `options` (schedule "auto"; a width or branches given keep
         the candidates of that width or k); with `explore`, one choice in EXPLORE_EVERY
         of a kind may be another close candidate (feedback.py). `fits_now`: a candidate
         whose decode state does not fit the memory free now is left out (a server's
         choice made again leaves this to its move, its own state holding that memory,
-        and keeps to the candidates calibrated already)."""
+        and keeps to the candidates calibrated already). `refilled`: the sequences are
+        slots refilled as they end (decode_continuous, a server), not a batch started
+        together."""
         family, config = self.family, self.engine.model.config
         width = self._check(options)
         # Every other option is checked once, on the reference: its errors are the
@@ -338,7 +392,8 @@ class Planner:
                              f"(tried {', '.join(c.label(family) for c in pool)})")
         with self._lock:   # one acceptance model for all predictions (calibrate swaps it)
             self._ensure([c for c, _ in feasible])
-            feasible = [self.predict(c, sequences, slots, sampled) for c, slots in feasible]
+            feasible = [self.predict(c, sequences, slots, sampled, refilled)
+                        for c, slots in feasible]
         feasible.sort(key=lambda p: -p.tokens_per_s)
         best = feasible[0]
         key = (sequences, sampled, width, options.branches)
@@ -360,7 +415,7 @@ class Planner:
         """The candidate to try instead of `best` this time (feedback.py), or None."""
         close = [p.candidate for p in feasible if p.candidate != best.candidate
                  and p.tokens_per_s >= EXPLORE_WITHIN * best.tokens_per_s]
-        pick = self.feedback.stalest(close, sequences)
+        pick = self.feedback.to_explore(close, sequences)
         return next((p for p in feasible if p.candidate == pick), None)
 
     def _check(self, options: DecodeOptions) -> int | None:
@@ -393,17 +448,24 @@ class Planner:
     def observe(self, results, iteration_s: float | None = None) -> None:
         """Adds decodes of one "auto" choice (DecodeResults, their `auto` set, decoded
         together) to the acceptance model's running tally, and their seconds per
-        iteration (`iteration_s`; default: their wall time over the most iterations any
-        of them ran, as for one decode or one batch) to the cost feedback."""
+        iteration to the cost feedback: `iteration_s` (slots refilled as they end), or
+        by default their wall time over their mean iterations (one decode, or a batch
+        whose rows idle once done), beside the prediction's over its `busy`. A decode
+        that compiled or read its program is not timed: a program's first run is
+        slower than the rest by its setup."""
         r = results[0]
         c = Candidate(r.schedule, r.width, r.branches)
         self.acceptance.observe(c, r.auto["sampled"], results)
+        if any(x.compile_s > 0 for x in results):
+            return
         if iteration_s is None:
-            iterations = max(x.iterations for x in results)
+            iterations = sum(x.iterations for x in results) / len(results)
             if iterations <= 0:   # the first call alone: no iteration to time
                 return
             iteration_s = max(x.wall_s for x in results) / iterations
-        self.feedback.observe(c, r.auto["sequences"], r.auto["base_iteration_s"], iteration_s)
+        self.feedback.observe(c, r.auto["sequences"],
+                              r.auto["base_iteration_s"] / r.auto["busy"], iteration_s,
+                              explored=r.auto["explored"])
 
 
 def _read(path: Path | None, c: Candidate) -> Tally | None:

@@ -26,7 +26,7 @@ from .planner import AUTO, Choice, Planner
 REPLAN_EVERY = 32   # launches between two choices
 
 
-def _options(max_model_len: int, width: dict | None, **sampling) -> DecodeOptions:
+def _choice_options(max_model_len: int, width: dict | None, **sampling) -> DecodeOptions:
     return DecodeOptions(schedule=AUTO, cache_size=max_model_len, max_new_tokens=1,
                          **(width or {}), **sampling)
 
@@ -41,8 +41,9 @@ class ServingAuto:
         self.slots = slots
         # Every exact candidate samples, so a server on auto takes sampled requests: its
         # choices are made for them, and only among candidates that sample.
-        self.options = _options(max_model_len, width, temperature=1.0)
-        self.choice: Choice = self.planner.choose(self.options, 1, slots, explore=False)
+        self.options = _choice_options(max_model_len, width, temperature=1.0)
+        self.choice: Choice = self.planner.choose(self.options, 1, slots, explore=False,
+                                                   refilled=True)
         self.launches = 0   # since the last move
 
     @property
@@ -62,7 +63,8 @@ class ServingAuto:
         self.launches += 1
         if self.launches % REPLAN_EVERY:
             return None
-        choice = self.planner.choose(self.options, 1, self.slots, fits_now=False)
+        choice = self.planner.choose(self.options, 1, self.slots, fits_now=False,
+                                     refilled=True)
         if choice.candidate == self.choice.candidate:
             self.choice = choice   # the same candidate, predicted afresh
         return choice

@@ -6,6 +6,7 @@ schedule with the same seed), the choice in the result, the decodes fed back."""
 
 import json
 import logging
+import math
 import os
 import re
 
@@ -99,6 +100,33 @@ def test_the_prior_goes_to_json_and_back_and_broken_data_is_refused():
             AcceptanceModel.from_prior_json(bad)
 
 
+def test_a_batch_is_expected_to_idle_as_its_calibration_lengths_say():
+    assert Tally(lengths=(10, 10, 10)).busy(8) == 1.0
+    assert Tally(lengths=(5, 10)).busy(1) == 1.0 and Tally().busy(8) == 1.0
+    # two draws of {5, 10}: the longer is 10 unless both are 5 (a quarter): 8.75 on average
+    assert Tally(lengths=(5, 10)).busy(2) == pytest.approx(7.5 / 8.75)
+    assert Tally(lengths=(1, 1, 1, 97)).busy(64) == pytest.approx(25 / 97, rel=1e-4)
+
+
+def test_a_timed_prior_goes_to_json_and_back_and_broken_timing_is_refused():
+    t = Tally(30.0, 10.0, np.array([1, 2]), seconds=0.5, slots=64, lengths=(4, 6),
+              batch_s=0.3)
+    back = AcceptanceModel.from_prior_json(json.loads(json.dumps(
+        AcceptanceModel({PACKED: t}).prior_json()))).prior[PACKED]
+    assert (back.seconds, back.slots, back.lengths, back.iteration_s) == (0.5, 64, (4, 6), 0.05)
+    assert back.batch_iteration_s == pytest.approx(0.05)   # the batch ran the longest's 6
+    assert Tally(30.0, 10.0).iteration_s is None and Tally(30.0, 10.0).batch_iteration_s is None
+    for timing in ({"seconds": -1, "slots": 1, "lengths": [], "batch_s": 0},
+                   {"seconds": "nan", "slots": 1, "lengths": [], "batch_s": 0},
+                   {"seconds": 1, "slots": 1, "lengths": [-2], "batch_s": 0},
+                   {"seconds": 1, "slots": 1, "lengths": [2], "batch_s": "inf"},
+                   {"seconds": 1, "slots": 1, "lengths": []}, [1, 2, 3]):
+        with pytest.raises(ValueError, match="malformed acceptance"):
+            AcceptanceModel.from_prior_json([[["packed", 4, 1], 3, 1, [], timing]])
+    with pytest.raises(ValueError, match="malformed acceptance"):
+        AcceptanceModel.from_prior_json([[["packed", 4, 1], 3, 1, [], None, None]])
+
+
 # --- choosing ----------------------------------------------------------------------------
 
 def _cost():
@@ -150,8 +178,9 @@ def _auto_result(c, tokens, iterations, iteration_s=1e-3, base_s=1e-3, sequences
     `base_s` was predicted."""
     r = _Result(tokens, iterations, [0, iterations])
     r.schedule, r.width, r.branches = c.schedule, c.width, c.branches
-    r.wall_s = iteration_s * iterations
-    r.auto = {"sampled": False, "sequences": sequences, "base_iteration_s": base_s}
+    r.wall_s, r.compile_s = iteration_s * iterations, 0.0
+    r.auto = {"sampled": False, "sequences": sequences, "base_iteration_s": base_s,
+              "busy": 1.0, "explored": False}
     return r
 
 
@@ -209,12 +238,65 @@ def calibrated(model, tmp_path_factory):
     p.detach()
 
 
+def test_timed_calibrations_scale_one_sequence_and_batches_idle(model, tmp_path):
+    """A candidate's calibration decodes took 3x the cost model's calls per iteration:
+    one sequence is predicted at that; a batch keeps the cost model, at the share of
+    row-iterations its lengths leave busy; refilled slots are all busy."""
+    p = _planner(model, tmp_path)
+    base = p.predict(PACKED, 1, 64, False)
+    p.acceptance.add_prior(PACKED, Tally(250.0, 100.0, seconds=100 * 3 * 1.8e-3, slots=64,
+                                         lengths=(50, 50, 100)))
+    one = p.predict(PACKED, 1, 64, False)
+    assert one.base_iteration_s == pytest.approx(3 * base.base_iteration_s)
+    assert one.tokens_per_s == pytest.approx(base.tokens_per_s / 3) and one.busy == 1.0
+    eight = p.predict(PACKED, 8, 64, False)
+    busy = Tally(lengths=(50, 50, 100)).busy(8)
+    assert eight.busy == busy < 0.7 and eight.base_iteration_s == pytest.approx(
+        p._iteration_s(PACKED, 8, 64))
+    assert eight.tokens_per_s == pytest.approx(8 * 2.5 * busy / eight.iteration_s)
+    assert p.predict(PACKED, 8, 64, False, refilled=True).busy == 1.0
+    # Timed as one batch of its three too, at 2x the cost model's calls: three sequences
+    # and more predicted at that, two between the two (log-linearly in the number).
+    p.acceptance.add_prior(PACKED, Tally(250.0, 100.0, seconds=100 * 3 * 1.8e-3, slots=64,
+                                         lengths=(50, 50, 100),
+                                         batch_s=100 * 2 * p._iteration_s(PACKED, 3, 64)))
+    for n in (3, 8):
+        assert p.predict(PACKED, n, 64, False).base_iteration_s == pytest.approx(
+            2 * p._iteration_s(PACKED, n, 64))
+    assert p.predict(PACKED, 2, 64, False).base_iteration_s == pytest.approx(
+        3 * (2 / 3) ** (math.log(2) / math.log(3)) * p._iteration_s(PACKED, 2, 64))
+    p.acceptance.add_prior(PACKED, Tally(250.0, 100.0, seconds=100 * 3 * 1.8e-3, slots=64,
+                                         lengths=(50, 50, 100)))
+    # What a batch's rows then idle corrects the prediction beside its seconds.
+    choice = planner_lib.Choice(PACKED, eight.tokens_per_s, 8, False, (eight,))
+    rows = [_Batched(choice, n, eight.base_iteration_s) for n in (50, 50, 100, 100)]
+    p.observe(rows)   # busier (75 of 100) than predicted: faster per row by that
+    assert p.feedback.factor(PACKED, 8) == pytest.approx(busy / 0.75)
+    p.feedback = type(p.feedback)()
+    p.observe([_Batched(choice, n, eight.base_iteration_s) for n in (10, 100)])
+    assert p.feedback.factor(PACKED, 8) == pytest.approx(busy / 0.55)
+
+
+class _Batched:   # what the planner reads of one row of a batched DecodeResult
+    def __init__(self, choice, iterations, iteration_s, longest=100):
+        c = choice.candidate
+        self.schedule, self.width, self.branches = c.schedule, c.width, c.branches
+        self.tokens, self.iterations, self.accept_hist = [0] * iterations, iterations, [0]
+        self.wall_s = iteration_s * longest   # the batch's: its longest row's iterations
+        self.compile_s = 0.0
+        self.auto = choice.summary(NEMOTRON)
+
+
 def test_calibration_is_kept_on_disk_and_read_back(model, calibrated, monkeypatch):
     folder = calibrated.directory
     files = sorted(f.name for f in folder.iterdir() if f.name.startswith("acceptance-"))
     assert len(files) == len(SMALL) and len(list(folder.iterdir())) == len(SMALL) + 1  # + cost
     assert set(calibrated.acceptance.prior) == set(SMALL)
     assert all(t.iterations > 0 for t in calibrated.acceptance.prior.values())
+    # Each prompt decoded alone and timed: one length per prompt, seconds, the slots read.
+    assert all(len(t.lengths) == len(PROMPTS) and sum(t.lengths) == t.iterations
+               and t.iteration_s > 0 and t.slots > 0 and t.batch_iteration_s > 0
+               for t in calibrated.acceptance.prior.values())
     again = planner_lib.Planner(Engine(model), candidates=SMALL, directory=folder)
     monkeypatch.setattr(again, "_decode", lambda c: pytest.fail("decoded again"))
     again.calibrate(PROMPTS, max_new_tokens=12)

@@ -336,9 +336,10 @@ def exec_python(block: Block, namespace: dict, address: str | None = None) -> No
         raise AssertionError(f"the python block at {block.id} failed: {e!r}") from e
 
 
-def run_block(block: Block, scratch: Path) -> None:
+def run_block(block: Block, scratch: Path, long: bool = True) -> None:
+    """The block's commands in `scratch` (without `long`: not those marked long)."""
     for command in commands(block):
-        if command.skip:
+        if command.skip or (command.long and not long):
             continue
         if argv_of(command)[3:4] == ["serve"]:
             clients = clients_after(block)
@@ -407,6 +408,35 @@ def test_python(page, tmp_path, monkeypatch):
 @pytest.mark.parametrize("page", SLOW_PY, ids=[rel(p) for p in SLOW_PY])
 def test_slow_python(page, tmp_path, monkeypatch):
     _run_python_page(page, tmp_path, monkeypatch)
+
+
+WALKED = [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
+@pytest.mark.long_check
+def test_the_pages_followed_in_one_clone_leave_its_tree_as_git_has_it(tmp_path, monkeypatch):
+    """A reader who follows README.md and then every docs page top to bottom in one clone
+    (each command at its small limits, each example in its page's namespace, the recipes
+    of saved runs left out: they rewrite benchmarks/results) leaves nothing there that
+    git would see: whatever the pages write goes to ignored folders (`out/`), so no
+    following of the docs can change what the tests of that clone find."""
+    git = shutil.which("git")
+    if git is None or not (ROOT / ".git").exists():
+        pytest.skip("needs git and a git checkout to clone")
+    clone = tmp_path / "clone"
+    subprocess.run([git, "clone", "--quiet", str(ROOT), str(clone)], check=True)
+    monkeypatch.chdir(clone)
+    for page in WALKED:
+        namespace = {"__name__": "__docs__"}
+        for block in blocks(page):
+            if block.lang == "bash" and commands(block):
+                run_block(block, clone, long=False)
+            elif block.lang == "python" and not is_client(block) and not any(
+                    d.startswith("skip") for d in python_directives(block)):
+                exec_python(block, namespace)
+    status = subprocess.run([git, "status", "--porcelain", "--untracked-files=all"],
+                            cwd=clone, capture_output=True, text=True, check=True).stdout
+    assert status == "", f"following the pages left files git sees:\n{status}"
 
 
 def test_markers_are_well_formed():

@@ -1,7 +1,7 @@
 """What `auto` learns from its own decodes (feedback.py, planner.py): corrections of the
-cost model from observed seconds per iteration (bounded, decaying, shared with the
-candidates not run), re-planning when the observed best changes, and bounded
-exploration; predictions that meet what decodes then take."""
+predicted seconds per iteration (bounded; the machine's drift shared with the candidates
+not run, each candidate's place against it), re-planning when the observed best
+changes, and bounded exploration; predictions that meet what decodes then take."""
 
 import math
 
@@ -35,18 +35,38 @@ def test_a_candidate_s_correction_follows_its_decodes_within_bounds():
     assert math.isfinite(f.factor(PACKED, 1)) and f.ticks == 31
 
 
-def test_a_candidate_not_run_is_predicted_as_the_machine_now_runs():
+def test_a_candidate_not_run_follows_the_machine_and_keeps_its_place():
     f = Feedback()
     for _ in range(30):
-        f.observe(PACKED, 1, 1e-3, 2e-3)   # the machine became twice as slow
-    assert f.factor(LINEAR, 1) == pytest.approx(2.0)   # never run: the shared correction
+        f.observe(PACKED, 1, 1e-3, 2e-3)   # the machine runs twice as slow
+    assert f.factor(LINEAR, 1) == pytest.approx(2.0)   # never run: the drift alone
     assert f.factor(LINEAR, 8) == 1.0                  # another batch size: its own
-    f.observe(LINEAR, 1, 1e-3, 4e-3)                   # run once, slower still
+    f.observe(LINEAR, 1, 1e-3, 4e-3)                   # run once: twice the machine
     assert f.factor(LINEAR, 1) == pytest.approx(4.0)
-    for _ in range(feedback.HALF_LIFE):                # then not for a while
-        f.observe(PACKED, 1, 1e-3, 2e-3)
-    shared = math.log(f.factor(AR, 1))
-    assert f.factor(LINEAR, 1) == pytest.approx(math.exp((math.log(4.0) + shared) / 2))
+    assert f.factor(PACKED, 1) == pytest.approx(2.0)   # a candidate's own level
+    for _ in range(60):                                # the machine slows by half again,
+        f.observe(PACKED, 1, 1e-3, 3e-3)               # as Packed-SS sees it
+    assert f.factor(PACKED, 1) == pytest.approx(3.0, rel=1e-6)
+    assert f.factor(LINEAR, 1) == pytest.approx(6.0, rel=1e-6)   # in its place
+    f.observe(LINEAR, 1, 1e-3, 4.5e-3, explored=True)  # tried again: its place now
+    assert f.factor(LINEAR, 1) == pytest.approx(4.5)
+    assert f.factor(PACKED, 1) == pytest.approx(3.0, rel=1e-6)   # the machine unmoved
+
+
+def test_the_fastest_predicted_candidate_not_run_lately_is_explored():
+    f = Feedback()
+    close = [BRANCHED, LINEAR, AR]   # fastest predicted first
+    assert f.to_explore(close, 1) == BRANCHED                  # never run
+    f.observe(BRANCHED, 1, 1e-3, 1e-3)
+    assert f.to_explore(close, 1) == LINEAR                    # Branched-SS ran just now
+    assert f.to_explore(close, 8) == BRANCHED                  # at another size it did not
+    f.observe(LINEAR, 1, 1e-3, 1e-3)
+    f.observe(AR, 1, 1e-3, 1e-3)
+    assert f.to_explore(close, 1) is None                      # every one ran lately
+    for _ in range(feedback.FRESH - 1):
+        f.observe(PACKED, 1, 1e-3, 1e-3)
+    assert f.to_explore(close, 1) == BRANCHED                  # FRESH decodes ago
+    assert f.to_explore([], 1) is None
 
 
 def _planner(model, tmp_path):
@@ -66,7 +86,7 @@ class _Decoded:   # what the planner reads of a DecodeResult
         self.schedule, self.width, self.branches = c.schedule, c.width, c.branches
         self.tokens = [0] * round(p.tokens_per_iteration * iterations)
         self.iterations, self.accept_hist = iterations, [0, iterations]
-        self.wall_s = iteration_s * iterations
+        self.wall_s, self.compile_s = iteration_s * iterations, 0.0
         self.auto = choice.summary(families.FAMILIES["nemotron"])
 
 
@@ -88,15 +108,15 @@ def test_the_choice_moves_when_decodes_show_another_is_faster(model, tmp_path):
         p.observe([_Decoded(choice, slow * choice.prediction.base_iteration_s)])
     n = feedback.EXPLORE_EVERY
     assert chosen[: n - 1] == [(PACKED, False)] * (n - 1)
-    assert chosen[n - 1] == (BRANCHED, True)   # explored; from then on chosen:
-    assert {c for c, explored in chosen[n:] if not explored} == {BRANCHED}  # 2.6 / 2.2 ms
-    assert sum(explored for _, explored in chosen) == 3                     # > 2.5 / 2.7 ms
+    assert chosen[n - 1] == (BRANCHED, True)   # explored; from then on chosen (2.6 /
+    assert chosen[n:] == [(BRANCHED, False)] * (2 * n)   # 2.2 ms > 2.5 / 2.7 ms), and
+    # Packed-SS, now predicted below EXPLORE_WITHIN of it, is not tried again.
     table = {row["candidate"]: row for row in p.feedback.table()}
     assert table[PACKED]["factor"] == pytest.approx(1.5, rel=0.05)
     assert table[BRANCHED]["factor"] == pytest.approx(1.0, rel=0.05)
 
 
-def test_exploration_is_rare_close_and_the_stalest(model, tmp_path):
+def test_exploration_is_rare_close_and_the_runner_up_first(model, tmp_path):
     p = _planner(model, tmp_path)
     picks = [p.choose(AUTO, 8) for _ in range(4 * feedback.EXPLORE_EVERY)]
     explored = [c for c in picks if c.explored]
@@ -110,6 +130,18 @@ def test_exploration_is_rare_close_and_the_stalest(model, tmp_path):
     p.observe([_Decoded(explored[0], explored[0].prediction.base_iteration_s)])
     picks = [p.choose(AUTO, 8) for _ in range(feedback.EXPLORE_EVERY)]
     assert not any(c.explored for c in picks)
+
+
+def test_a_decode_that_compiled_is_not_timed(model, tmp_path):
+    """A program's first run is slower than the rest by its setup: a decode that
+    compiled (or read) its program teaches acceptance, never seconds."""
+    p = _planner(model, tmp_path)
+    choice = p.choose(AUTO, 8)
+    first = _Decoded(choice, 30 * choice.prediction.base_iteration_s)
+    first.compile_s = 4.0
+    p.observe([first])
+    assert p.feedback.ticks == 0 and p.feedback.factor(choice.candidate, 1) == 1.0
+    assert p.acceptance.running[(choice.candidate, False)].iterations == first.iterations
 
 
 def test_predictions_meet_what_decodes_then_take(model, tmp_path):

@@ -1,6 +1,6 @@
 """The GPU check: the measurements a short GPU rental is for, most valuable first, in 8 minutes.
 
-    python -m tools.gpu_check --out gpu_check_out      # on a machine with a GPU
+    python -m tools.gpu_check --out out/gpu_check      # on a machine with a GPU
     python -m tools.gpu_check --smoke --out /tmp/gc    # the same steps, tiny, on a CPU (< 1 min)
 
 Each step is a subprocess under its own time limit (seconds, in brackets; JAX's start and
@@ -217,7 +217,7 @@ def write_summary(out: Path, plan: list[Step], done: dict, elapsed: float, smoke
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.gpu_check",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="gpu_check_out", help="folder for the tables and logs")
+    p.add_argument("--out", default="out/gpu_check", help="folder for the tables and logs")
     p.add_argument("--smoke", action="store_true",
                    help="tiny sizes, unoptimised compilation: check the steps on a CPU")
     args = p.parse_args(argv)

@@ -52,7 +52,7 @@ def _main(argv: list[str] | None, prog: str) -> int:
     out = results(runs, args.model or "embedded", p.family.name, record)
     print(report(out))
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        plan_lib.make_parent(args.json).write_text(json.dumps(out, indent=1) + "\n")
     if args.plot:
         plot(out, args.plot)
     if args.profile:

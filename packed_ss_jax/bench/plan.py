@@ -336,17 +336,25 @@ def parse_data(spec: str | None, names: list[str]) -> dict[str, str | None]:
 
 
 def check_output_file(path: str, flag: str) -> None:
-    """Refuses an output file that could not be written, before the run (creates nothing)."""
+    """Refuses an output file that could not be written, before the run (creates nothing;
+    its missing folders are made when it is written: `make_parent`)."""
     p = Path(path)
     if p.is_dir():
         raise UsageError(f"{flag} {path} is a directory; give a file name")
-    parent = p.parent
-    if parent.exists() and not parent.is_dir():
-        raise UsageError(f"{flag} {path}: {parent} is not a directory")
-    if not parent.is_dir():
-        raise UsageError(f"{flag} {path}: the directory {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+    existing = p.parent
+    while not existing.exists():  # the folders that make_parent would create
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"{flag} {path}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
         raise UsageError(f"{flag} {path}: not writable")
+
+
+def make_parent(path: str) -> Path:
+    """`path`, its folder made if missing (an output file checked by check_output_file)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    return p
 
 
 def check_output_dir(path: str, flag: str) -> None:

@@ -13,7 +13,7 @@ from .. import families
 from ..arguments import UsageError
 from . import accounting, figures, stats
 from .measure import PROBE_PROMPTS, counts
-from .plan import check_distinct, check_output_file, check_plot
+from .plan import check_distinct, check_output_file, check_plot, make_parent
 
 
 def summarize(model_name: str, task: str, per: dict, widths, config_width: int,
@@ -225,7 +225,7 @@ def report(results: dict) -> str:
 
 def plot(results: dict, path: str) -> None:
     """Figures 3/4 (a row per run) and Figure 5; see `figures.plot`."""
-    figures.plot(results, path)
+    figures.plot(results, str(make_parent(path)))
 
 
 def replot(path: str, plot_path: str | None) -> int:
