@@ -373,20 +373,7 @@ class Planner:
                              f" (the candidates: "
                              f"{', '.join(c.label(family) for c in self.candidates)})",
                              family.width_name if width is not None else "branches")
-        feasible = []
-        for c in pool:
-            try:
-                checked = self.options_for(options, c).check(
-                    family, config, tokenizer=tokenizer, prompt_len=prompt_len)
-                program = checked.program
-                if fits_now:
-                    memory.check(self.engine.model, program, checked.max_new, sequences)
-                elif not self.acceptance.knows(c):
-                    continue   # not calibrated: never calibrated here, beside a server
-            except InputError:   # its block or its state does not fit: not a candidate
-                continue
-            # What a call reads: the cache and one block of headroom (memory.state_bytes).
-            feasible.append((c, program.capacity + program.width))
+        feasible = self._feasible(options, pool, prompt_len, sequences, fits_now)
         if not feasible:
             raise InputError(f"schedule 'auto': no candidate schedule fits this request "
                              f"(tried {', '.join(c.label(family) for c in pool)})")
@@ -409,6 +396,28 @@ class Planner:
             return Choice(tried.candidate, tried.tokens_per_s, sequences, sampled,
                           tuple(feasible), explored=True)
         return Choice(best.candidate, best.tokens_per_s, sequences, sampled, tuple(feasible))
+
+    def _feasible(self, options: DecodeOptions, pool, prompt_len: int, sequences: int,
+                  fits_now: bool) -> list[tuple[Candidate, int]]:
+        """The candidates of `pool` that can decode the request (see `choose`), each with
+        the KV slots a call of it reads."""
+        family, model = self.family, self.engine.model
+        tokenizer = getattr(model, "tokenizer", None)
+        feasible = []
+        for c in pool:
+            try:
+                checked = self.options_for(options, c).check(
+                    family, model.config, tokenizer=tokenizer, prompt_len=prompt_len)
+                program = checked.program
+                if fits_now:
+                    memory.check(model, program, checked.max_new, sequences)
+                elif not self.acceptance.knows(c):
+                    continue   # not calibrated: never calibrated here, beside a server
+            except InputError:   # its block or its state does not fit: not a candidate
+                continue
+            # What a call reads: the cache and one block of headroom (memory.state_bytes).
+            feasible.append((c, program.capacity + program.width))
+        return feasible
 
     def _explore(self, feasible: list[Prediction], best: Prediction,
                  sequences: int) -> Prediction | None:
