@@ -21,6 +21,7 @@ import numpy as np
 from .shape import Shape
 
 PRIOR_ITERATIONS = 256   # what a calibration weighs against the running decodes
+_COUNT_MAX = 2 ** 31 - 1  # slots and iterations are int32 on the device
 
 Candidate = Shape   # what `auto` chooses among: a schedule at a width with k branches
 
@@ -158,14 +159,17 @@ class AcceptanceModel:
 
 def _timing(timing: dict | None = None, *rest) -> dict:
     """A prior's timing fields from its file (none: untimed); ValueError for nonsense."""
-    if rest or not isinstance(timing, (dict, type(None))):
+    if rest:
         raise ValueError("a tally with more than one timing record")
     if timing is None:
         return {}
+    if not isinstance(timing, dict) or not isinstance(timing["lengths"], list):
+        raise ValueError("a timing record that is not {seconds, slots, lengths, batch_s}")
     seconds, slots = float(timing["seconds"]), int(timing["slots"])
     batch_s = float(timing["batch_s"])
     lengths = tuple(int(n) for n in timing["lengths"])
     if not (math.isfinite(seconds) and seconds >= 0 and math.isfinite(batch_s)
-            and batch_s >= 0 and slots >= 0 and all(n >= 0 for n in lengths)):
+            and batch_s >= 0 and 0 <= slots <= _COUNT_MAX
+            and all(0 <= n <= _COUNT_MAX for n in lengths)):
         raise ValueError(f"a timing of {seconds} s (a batch {batch_s} s) over {slots} slots")
     return {"seconds": seconds, "slots": slots, "lengths": lengths, "batch_s": batch_s}

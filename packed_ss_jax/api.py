@@ -209,7 +209,9 @@ def _batch(engine: Engine, prompts, options: DecodeOptions, sequences=None):
     longest = max(len(validate.prompt_ids(engine.model, p, f"prompts[{i}]: "))
                   for i, p in enumerate(prompts))
     at_once = len(prompts) if sequences is None else min(sequences, len(prompts))
-    options, auto = _chosen(engine, options, longest, at_once, refilled=sequences is not None)
+    # Slots are refilled only when there are more prompts than slots.
+    options, auto = _chosen(engine, options, longest, at_once,
+                            refilled=sequences is not None and len(prompts) > sequences)
     batch = engine.batch(prompts, options, sequences=sequences)
     return dataclasses.replace(batch, members=tuple(
         dataclasses.replace(r, auto=auto) for r in batch.members))

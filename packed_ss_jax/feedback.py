@@ -7,19 +7,20 @@ prediction before corrections (its "base"). Their log-ratio, clamped to
 
     log(observed / base) = drift + offset of the candidate
 
-per number of sequences decoded together: `drift`, the machine's state (a process beside
-it, another clock) shared by every candidate; a candidate's `offset`, how it runs against
+per size of what decodes together (the planner's: the number of sequences, and whether
+slots are refilled as they end): `drift`, the machine's state (a process beside it,
+another clock) shared by every candidate; a candidate's `offset`, how it runs against
 that (what the base misses of this schedule and width). The first decode at a size sets
-the drift; the first decode of a candidate, or an explored one, sets its offset against
-the drift now. A decode of the kept choice moves the drift by `DECAY` of its error from
-the prediction: every candidate follows the machine as the kept one sees it, each in its
+the drift; the first decode of a candidate sets its offset against the drift now, and
+an explored one moves it halfway there (one noisy decode cannot banish a candidate). A
+decode of the kept choice moves the drift by `DECAY` of its error from the prediction: every candidate follows the machine as the kept one sees it, each in its
 place against it, until it runs again. Decodes of one candidate cannot tell a slow
 schedule from a slow machine; only decodes of another can, which is what exploring is
 for.
 
 Exploration: one choice in `EXPLORE_EVERY` of a kind decodes with another candidate
 predicted within `EXPLORE_WITHIN` of the best: the fastest predicted of those not run
-within the last `FRESH` decodes. That bounds what exploring costs (at most
+within the last `FRESH` timed decodes (of any size). That bounds what exploring costs (at most
 1 - EXPLORE_WITHIN on one decode in EXPLORE_EVERY) and tries first the candidate most
 likely to be faster, so that a machine whose state favours another schedule is found.
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+from typing import Hashable
 
 from .acceptance import Candidate
 
@@ -54,52 +56,55 @@ class Feedback:
     Thread-safe: decodes on several threads may report."""
 
     def __init__(self):
-        self.offsets: dict[tuple[Candidate, int], Offset] = {}
-        self.drift: dict[int, float] = {}
+        self.offsets: dict[tuple[Candidate, Hashable], Offset] = {}
+        self.drift: dict[Hashable, float] = {}
         self.ticks = 0   # observations so far
         self._lock = threading.Lock()
 
-    def observe(self, candidate: Candidate, sequences: int, base_s: float,
+    def observe(self, candidate: Candidate, size: Hashable, base_s: float,
                 observed_s: float, explored: bool = False) -> None:
-        """A decode of `sequences` sequences with `candidate` took `observed_s` seconds per
-        iteration where `base_s` was predicted before corrections; `explored`: it was
-        tried in place of the best (it sets the candidate's offset). Nonsense (a zero, a
-        NaN) is dropped: no timing may break the planner."""
+        """A decode of `size` with `candidate` took `observed_s` seconds per iteration
+        where `base_s` was predicted before corrections; `explored`: it was tried in
+        place of the best (it moves the candidate's offset). Nonsense (a zero, a NaN) is
+        dropped: no timing may break the planner."""
         if not (base_s > 0 and observed_s > 0 and math.isfinite(base_s)
                 and math.isfinite(observed_s)):
             return
         x = min(max(math.log(observed_s / base_s), -math.log(BOUND)), math.log(BOUND))
         with self._lock:
             self.ticks += 1
-            own = self.offsets.setdefault((candidate, sequences), Offset())
-            if sequences not in self.drift:   # the first decode at this size: the machine
-                self.drift[sequences] = x
-            elif explored or own.count == 0:
-                own.value = x - self.drift[sequences]
+            own = self.offsets.setdefault((candidate, size), Offset())
+            if size not in self.drift:   # the first decode at this size: the machine
+                self.drift[size] = x
+            elif own.count == 0:
+                own.value = x - self.drift[size]
+            elif explored:
+                own.value = (own.value + x - self.drift[size]) / 2
             else:
-                self.drift[sequences] += DECAY * (x - self.drift[sequences] - own.value)
+                self.drift[size] += DECAY * (x - self.drift[size] - own.value)
             own.count += 1
             own.last = self.ticks
 
-    def factor(self, candidate: Candidate, sequences: int) -> float:
+    def factor(self, candidate: Candidate, size: Hashable) -> float:
         """What to multiply the predicted seconds per iteration by (1: nothing seen)."""
         with self._lock:
-            own = self.offsets.get((candidate, sequences))
-            return math.exp(self.drift.get(sequences, 0.0) + (0.0 if own is None else own.value))
+            own = self.offsets.get((candidate, size))
+            return math.exp(self.drift.get(size, 0.0) + (0.0 if own is None else own.value))
 
-    def to_explore(self, candidates, sequences: int) -> Candidate | None:
-        """The first of `candidates` (fastest predicted first) not run at `sequences`
-        within the last FRESH decodes; None if every one was."""
+    def to_explore(self, candidates, size: Hashable) -> Candidate | None:
+        """The first of `candidates` (fastest predicted first) not run at `size` within
+        the last FRESH timed decodes; None if every one was."""
         with self._lock:
             for c in candidates:
-                own = self.offsets.get((c, sequences))
+                own = self.offsets.get((c, size))
                 if own is None or own.count == 0 or self.ticks - own.last >= FRESH:
                     return c
             return None
 
     def table(self) -> list[dict]:
-        """Per candidate and number of sequences: the correction now, the observations."""
+        """Per candidate and size: the correction now, the observations."""
         with self._lock:
             rows = [(key, o.count) for key, o in self.offsets.items()]
-        return [{"candidate": c, "sequences": n, "observations": count,
-                 "factor": self.factor(c, n)} for (c, n), count in sorted(rows)]
+        return [{"candidate": c, "size": n, "observations": count,
+                 "factor": self.factor(c, n)}
+                for (c, n), count in sorted(rows, key=lambda r: (r[0][0], repr(r[0][1])))]

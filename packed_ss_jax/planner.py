@@ -123,7 +123,7 @@ def default_candidates(family, width: int | None = None, branches: int | None = 
 class Prediction:
     candidate: Candidate
     tokens_per_iteration: float
-    iteration_s: float        # the cost model's seconds per iteration, corrected (feedback.py)
+    iteration_s: float        # base_iteration_s, corrected (feedback.py)
     tokens_per_s: float
     base_iteration_s: float   # the cost model's, scaled by the calibration decodes' timing
     busy: float = 1.0         # the expected share of the batch's row-iterations that decode
@@ -140,6 +140,12 @@ class Choice:
     sampled: bool
     predictions: tuple[Prediction, ...]
     explored: bool = False   # not the best predicted: tried to keep its correction fresh
+    refilled: bool = False   # the sequences are slots refilled as they end
+
+    @property
+    def size(self) -> tuple[int, bool]:
+        """What the feedback keys its corrections by (feedback.py)."""
+        return self.sequences, self.refilled
 
     @property
     def prediction(self) -> Prediction:
@@ -152,7 +158,7 @@ class Choice:
                 "predicted_tokens_per_s": self.predicted_tokens_per_s,
                 "predicted_iteration_s": p.iteration_s,
                 "base_iteration_s": p.base_iteration_s, "busy": p.busy,
-                "explored": self.explored,
+                "explored": self.explored, "refilled": self.refilled,
                 "sequences": self.sequences, "sampled": self.sampled,
                 "candidates": len(self.predictions)}
 
@@ -240,14 +246,16 @@ class Planner:
         """Measures (or reads back) the cost model and the acceptance prior of
         `candidates` (default: every candidate; a request calibrates the candidates it
         may use, on first use): each one's greedy decodes of `prompts` (texts or id
-        lists; default `DEFAULT_PROMPTS`), one at a time, `max_new_tokens` each, timed.
-        New prompts replace the prior. `progress(i, n, label)` is told before each
+        lists; default `DEFAULT_PROMPTS`), as one batch and one at a time,
+        `max_new_tokens` each, timed. New prompts replace the prior and what was learnt
+        since. `progress(i, n, label)` is told before each
         candidate decodes."""
         with self._lock:
             prompts = self._prompts(prompts)
             if (prompts, max_new_tokens) != (self.prompts, self.max_new):
                 self.prompts, self.max_new = prompts, max_new_tokens
                 self.acceptance = AcceptanceModel()
+                self.feedback = Feedback()   # learnt against the previous calibration
                 self._kept.clear()
             self._ensure(self.candidates if candidates is None else candidates, progress)
 
@@ -315,7 +323,7 @@ class Planner:
         per_iteration = self.acceptance.tokens_per_iteration(c, sampled)
         base = self._iteration_s(c, sequences, slots) * self._measured(c, sequences)
         busy = 1.0 if refilled else self.acceptance.busy(c, sequences)
-        seconds = base * self.feedback.factor(c, sequences)
+        seconds = base * self.feedback.factor(c, (sequences, refilled))
         return Prediction(c, per_iteration, seconds,
                           sequences * per_iteration * busy / seconds, base, busy)
 
@@ -330,16 +338,19 @@ class Planner:
         number of sequences and past the batch as at it; within the feedback's BOUND; 1
         for a calibration not timed (as a batch, for several sequences)."""
         p = self.acceptance.prior.get(c)
-        if p is None or p.iteration_s is None:
+        if p is None:
             return 1.0
-        one = math.log(p.iteration_s / self._iteration_s(c, 1, p.slots))
+        one = _log_ratio(p.iteration_s, self._iteration_s(c, 1, p.slots))
         batch = len(p.lengths)
+        if one is None:
+            return 1.0
         if sequences == 1:
             at = one
-        elif p.batch_iteration_s is None or batch < 2:
-            return 1.0
         else:
-            full = math.log(p.batch_iteration_s / self._iteration_s(c, batch, p.slots))
+            full = None if batch < 2 else _log_ratio(
+                p.batch_iteration_s, self._iteration_s(c, batch, p.slots))
+            if full is None:
+                return 1.0
             at = one + (full - one) * min(1.0, math.log(sequences) / math.log(batch))
         return math.exp(min(max(at, -math.log(BOUND)), math.log(BOUND)))
 
@@ -383,19 +394,20 @@ class Planner:
                         for c, slots in feasible]
         feasible.sort(key=lambda p: -p.tokens_per_s)
         best = feasible[0]
-        key = (sequences, sampled, width, options.branches)
+        key = (sequences, refilled, sampled, width, options.branches)
         with self._lock:
             kept = next((p for p in feasible if p.candidate == self._kept.get(key)), None)
             if kept is not None and best.tokens_per_s <= (1 + MARGIN) * kept.tokens_per_s:
                 best = kept
             self._kept[key] = best.candidate
             self._chosen[key] = n = self._chosen.get(key, 0) + 1
-            tried = self._explore(feasible, best, sequences) if explore and \
+            tried = self._explore(feasible, best, (sequences, refilled)) if explore and \
                 n % EXPLORE_EVERY == 0 else None
         if tried is not None:
             return Choice(tried.candidate, tried.tokens_per_s, sequences, sampled,
-                          tuple(feasible), explored=True)
-        return Choice(best.candidate, best.tokens_per_s, sequences, sampled, tuple(feasible))
+                          tuple(feasible), explored=True, refilled=refilled)
+        return Choice(best.candidate, best.tokens_per_s, sequences, sampled, tuple(feasible),
+                      refilled=refilled)
 
     def _feasible(self, options: DecodeOptions, pool, prompt_len: int, sequences: int,
                   fits_now: bool) -> list[tuple[Candidate, int]]:
@@ -420,11 +432,11 @@ class Planner:
         return feasible
 
     def _explore(self, feasible: list[Prediction], best: Prediction,
-                 sequences: int) -> Prediction | None:
+                 size: tuple[int, bool]) -> Prediction | None:
         """The candidate to try instead of `best` this time (feedback.py), or None."""
         close = [p.candidate for p in feasible if p.candidate != best.candidate
                  and p.tokens_per_s >= EXPLORE_WITHIN * best.tokens_per_s]
-        pick = self.feedback.to_explore(close, sequences)
+        pick = self.feedback.to_explore(close, size)
         return next((p for p in feasible if p.candidate == pick), None)
 
     def _check(self, options: DecodeOptions) -> int | None:
@@ -472,9 +484,17 @@ class Planner:
             if iterations <= 0:   # the first call alone: no iteration to time
                 return
             iteration_s = max(x.wall_s for x in results) / iterations
-        self.feedback.observe(c, r.auto["sequences"],
+        self.feedback.observe(c, (r.auto["sequences"], r.auto["refilled"]),
                               r.auto["base_iteration_s"] / r.auto["busy"], iteration_s,
                               explored=r.auto["explored"])
+
+
+def _log_ratio(measured: float | None, predicted: float) -> float | None:
+    """log(measured / predicted), or None where there is no finite one."""
+    if measured is None or not (measured > 0 and predicted > 0):
+        return None
+    x = math.log(measured / predicted)
+    return x if math.isfinite(x) else None
 
 
 def _read(path: Path | None, c: Candidate) -> Tally | None:

@@ -3,7 +3,8 @@
 The server decodes every slot with one program, so its choice is made for every slot
 busy, on caches of `--max-model-len` (a width or branches given keep that width or k).
 Each launch then reports its seconds per iteration to the model's
-planner beside the cost model's prediction (feedback.py), and each finished request its
+planner beside the prediction before corrections (feedback.py; the first timed launch of
+an explored choice as explored), and each finished request its
 tokens and iterations (the acceptance model's running tally: the server's own workload,
 not the calibration prompts). Every `REPLAN_EVERY` launches the choice is made again;
 when another candidate wins (past the planner's margin), the client readies its
@@ -45,6 +46,7 @@ class ServingAuto:
         self.choice: Choice = self.planner.choose(self.options, 1, slots, explore=False,
                                                    refilled=True)
         self.launches = 0   # since the last move
+        self.timed = 0      # launches timed since the last move
 
     @property
     def summary(self) -> dict:
@@ -58,8 +60,10 @@ class ServingAuto:
         holds it; a move checks its own), and returned; None between."""
         p = self.choice.prediction
         if ran:
-            self.planner.feedback.observe(p.candidate, self.slots, p.base_iteration_s,
-                                          seconds / ran)
+            self.planner.feedback.observe(p.candidate, self.choice.size, p.base_iteration_s,
+                                          seconds / ran,
+                                          explored=self.choice.explored and not self.timed)
+            self.timed += 1
         self.launches += 1
         if self.launches % REPLAN_EVERY:
             return None
@@ -72,7 +76,7 @@ class ServingAuto:
     def moved(self, choice: Choice) -> None:
         """The slots now decode with `choice`: it gets REPLAN_EVERY launches before the
         next choice."""
-        self.choice, self.launches = choice, 0
+        self.choice, self.launches, self.timed = choice, 0, 0
 
     def finished(self, result) -> None:
         """A request decoded with the current choice ended: its tokens and iterations join

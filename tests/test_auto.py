@@ -117,6 +117,9 @@ def test_a_timed_prior_goes_to_json_and_back_and_broken_timing_is_refused():
     assert back.batch_iteration_s == pytest.approx(0.05)   # the batch ran the longest's 6
     assert Tally(30.0, 10.0).iteration_s is None and Tally(30.0, 10.0).batch_iteration_s is None
     for timing in ({"seconds": -1, "slots": 1, "lengths": [], "batch_s": 0},
+                   {"seconds": 1, "slots": 10 ** 400, "lengths": [], "batch_s": 0},
+                   {"seconds": 1, "slots": 1, "lengths": [10 ** 400], "batch_s": 0},
+                   {"seconds": 1, "slots": 1, "lengths": "12", "batch_s": 0},
                    {"seconds": "nan", "slots": 1, "lengths": [], "batch_s": 0},
                    {"seconds": 1, "slots": 1, "lengths": [-2], "batch_s": 0},
                    {"seconds": 1, "slots": 1, "lengths": [2], "batch_s": "inf"},
@@ -180,7 +183,7 @@ def _auto_result(c, tokens, iterations, iteration_s=1e-3, base_s=1e-3, sequences
     r.schedule, r.width, r.branches = c.schedule, c.width, c.branches
     r.wall_s, r.compile_s = iteration_s * iterations, 0.0
     r.auto = {"sampled": False, "sequences": sequences, "base_iteration_s": base_s,
-              "busy": 1.0, "explored": False}
+              "busy": 1.0, "explored": False, "refilled": False}
     return r
 
 
@@ -244,6 +247,12 @@ def test_timed_calibrations_scale_one_sequence_and_batches_idle(model, tmp_path)
     row-iterations its lengths leave busy; refilled slots are all busy."""
     p = _planner(model, tmp_path)
     base = p.predict(PACKED, 1, 64, False)
+    # Timings too small to divide by predict as the cost model does, never break it.
+    p.acceptance.add_prior(PACKED, Tally(250.0, 100.0, seconds=5e-324, slots=64,
+                                         lengths=(50, 50, 100), batch_s=5e-324))
+    for n in (1, 8):
+        assert p.predict(PACKED, n, 64, False).base_iteration_s == pytest.approx(
+            p._iteration_s(PACKED, n, 64))
     p.acceptance.add_prior(PACKED, Tally(250.0, 100.0, seconds=100 * 3 * 1.8e-3, slots=64,
                                          lengths=(50, 50, 100)))
     one = p.predict(PACKED, 1, 64, False)
@@ -265,16 +274,22 @@ def test_timed_calibrations_scale_one_sequence_and_batches_idle(model, tmp_path)
             2 * p._iteration_s(PACKED, n, 64))
     assert p.predict(PACKED, 2, 64, False).base_iteration_s == pytest.approx(
         3 * (2 / 3) ** (math.log(2) / math.log(3)) * p._iteration_s(PACKED, 2, 64))
+    # Timings too small to divide by predict as the cost model does, never break it.
+    p.acceptance.add_prior(PACKED, Tally(250.0, 100.0, seconds=5e-324, slots=64,
+                                         lengths=(50, 50, 100), batch_s=5e-324))
+    for n in (1, 8):
+        assert p.predict(PACKED, n, 64, False).base_iteration_s == pytest.approx(
+            p._iteration_s(PACKED, n, 64))
     p.acceptance.add_prior(PACKED, Tally(250.0, 100.0, seconds=100 * 3 * 1.8e-3, slots=64,
                                          lengths=(50, 50, 100)))
     # What a batch's rows then idle corrects the prediction beside its seconds.
     choice = planner_lib.Choice(PACKED, eight.tokens_per_s, 8, False, (eight,))
     rows = [_Batched(choice, n, eight.base_iteration_s) for n in (50, 50, 100, 100)]
     p.observe(rows)   # busier (75 of 100) than predicted: faster per row by that
-    assert p.feedback.factor(PACKED, 8) == pytest.approx(busy / 0.75)
+    assert p.feedback.factor(PACKED, (8, False)) == pytest.approx(busy / 0.75)
     p.feedback = type(p.feedback)()
     p.observe([_Batched(choice, n, eight.base_iteration_s) for n in (10, 100)])
-    assert p.feedback.factor(PACKED, 8) == pytest.approx(busy / 0.55)
+    assert p.feedback.factor(PACKED, (8, False)) == pytest.approx(busy / 0.55)
 
 
 class _Batched:   # what the planner reads of one row of a batched DecodeResult

@@ -48,8 +48,8 @@ def test_a_candidate_not_run_follows_the_machine_and_keeps_its_place():
         f.observe(PACKED, 1, 1e-3, 3e-3)               # as Packed-SS sees it
     assert f.factor(PACKED, 1) == pytest.approx(3.0, rel=1e-6)
     assert f.factor(LINEAR, 1) == pytest.approx(6.0, rel=1e-6)   # in its place
-    f.observe(LINEAR, 1, 1e-3, 4.5e-3, explored=True)  # tried again: its place now
-    assert f.factor(LINEAR, 1) == pytest.approx(4.5)
+    f.observe(LINEAR, 1, 1e-3, 4.5e-3, explored=True)  # tried again: halfway to its place
+    assert f.factor(LINEAR, 1) == pytest.approx(3.0 * math.sqrt(2.0 * 1.5))
     assert f.factor(PACKED, 1) == pytest.approx(3.0, rel=1e-6)   # the machine unmoved
 
 
@@ -140,8 +140,25 @@ def test_a_decode_that_compiled_is_not_timed(model, tmp_path):
     first = _Decoded(choice, 30 * choice.prediction.base_iteration_s)
     first.compile_s = 4.0
     p.observe([first])
-    assert p.feedback.ticks == 0 and p.feedback.factor(choice.candidate, 1) == 1.0
+    assert p.feedback.ticks == 0 and p.feedback.factor(choice.candidate, choice.size) == 1.0
     assert p.acceptance.running[(choice.candidate, False)].iterations == first.iterations
+
+
+def test_a_queue_refills_slots_only_when_it_has_more_prompts_than_slots(model, tmp_path):
+    """decode_continuous with more prompts than slots refills them (every slot busy); with
+    no more prompts than slots it is one batch whose rows idle (calibration's `busy`)."""
+    import packed_ss_jax as ps
+
+    p = _planner(model, tmp_path).attach()
+    try:
+        few = ps.decode_continuous(model, PROMPTS, slots=3, schedule="auto",
+                                   max_new_tokens=4)[0]
+        many = ps.decode_continuous(model, PROMPTS, slots=2, schedule="auto",
+                                    max_new_tokens=4)[0]
+        assert few[0].auto["refilled"] is False and few[0].auto["sequences"] == 3
+        assert many[0].auto["refilled"] is True and many[0].auto["sequences"] == 2
+    finally:
+        p.detach()
 
 
 def test_predictions_meet_what_decodes_then_take(model, tmp_path):

@@ -95,3 +95,31 @@ def test_nonsense_timings_of_a_launch_change_nothing(seconds):
         assert planner.feedback.ticks == 0 and auto.choice.candidate == PACKED
     finally:
         planner.detach()
+
+
+def test_the_first_timed_launch_of_an_explored_choice_places_it():
+    """A server's explored choice moves its candidate's offset once (its first timed
+    launch); its later launches, and those of a kept choice, move the machine's drift."""
+    model = ps.load("nld-tiny")
+    flat = CostModel("k", (1, 64), (64,), ((1e-3, 1e-3),))
+    planner = planner_lib.Planner(
+        Engine.of(model), cost=flat, candidates=(AR, PACKED),
+        acceptance=AcceptanceModel({AR: Tally(10.0, 10.0), PACKED: Tally(30.0, 10.0)})).attach()
+    try:
+        auto = serving_auto.ServingAuto(model, 48, None, 2)
+        size = auto.choice.size
+        assert size == (2, True) and not auto.choice.explored
+        base = auto.choice.prediction.base_iteration_s
+        auto.launched(4 * base * 2, 4)             # PACKED, kept: the drift is 2x
+        auto.moved(planner_lib.Choice(AR, 1.0, 2, True, auto.choice.predictions,
+                                      explored=True, refilled=True))
+        ar = auto.choice.prediction.base_iteration_s
+        auto.launched(4 * ar * 2, 4)               # AR's first: its place, 1x the drift
+        auto.moved(planner_lib.Choice(AR, 1.0, 2, True, auto.choice.predictions,
+                                      explored=True, refilled=True))
+        auto.launched(4 * ar * 6, 4)               # explored again: halfway to 3x
+        assert planner.feedback.factor(AR, size) == pytest.approx(2 * 3 ** 0.5)
+        auto.launched(4 * ar * 6, 4)               # its second launch: the drift moves
+        assert planner.feedback.factor(PACKED, size) > 2.0
+    finally:
+        planner.detach()
