@@ -80,13 +80,18 @@ def test_a_server_moves_to_a_better_choice_and_every_request_stays_exact(monkeyp
     assert table[PACKED]["observations"] >= 2 and table[AR]["observations"] >= 1
 
 
+def _flat_planner(model):
+    """A planner of AR and Packed-SS B=8 whose calls cost 1 ms whatever their size."""
+    flat = CostModel("k", (1, 64), (64,), ((1e-3, 1e-3),))
+    return planner_lib.Planner(
+        Engine.of(model), cost=flat, candidates=(AR, PACKED),
+        acceptance=AcceptanceModel({AR: Tally(10.0, 10.0), PACKED: Tally(30.0, 10.0)})).attach()
+
+
 @pytest.mark.parametrize("seconds", [0.0, float("nan"), -1.0])
 def test_nonsense_timings_of_a_launch_change_nothing(seconds):
     model = ps.load("nld-tiny")
-    flat = CostModel("k", (1, 64), (64,), ((1e-3, 1e-3),))
-    planner = planner_lib.Planner(
-        Engine.of(model), cost=flat, candidates=(AR, PACKED),
-        acceptance=AcceptanceModel({AR: Tally(10.0, 10.0), PACKED: Tally(30.0, 10.0)})).attach()
+    planner = _flat_planner(model)
     try:
         auto = serving_auto.ServingAuto(model, 48, None, 2)
         for _ in range(serving_auto.REPLAN_EVERY - 1):
@@ -101,10 +106,7 @@ def test_the_first_timed_launch_of_an_explored_choice_places_it():
     """A server's explored choice moves its candidate's offset once (its first timed
     launch); its later launches, and those of a kept choice, move the machine's drift."""
     model = ps.load("nld-tiny")
-    flat = CostModel("k", (1, 64), (64,), ((1e-3, 1e-3),))
-    planner = planner_lib.Planner(
-        Engine.of(model), cost=flat, candidates=(AR, PACKED),
-        acceptance=AcceptanceModel({AR: Tally(10.0, 10.0), PACKED: Tally(30.0, 10.0)})).attach()
+    planner = _flat_planner(model)
     try:
         auto = serving_auto.ServingAuto(model, 48, None, 2)
         size = auto.choice.size
