@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import re
 import sys
@@ -284,10 +285,7 @@ def generate_main(argv: list[str] | None = None, prog: str = "packed-ss generate
 
 def _serve_parser(prog: str) -> Parser:
     """The `serve` command line: the model, where to listen, the served name, the
-    schedule and its width, the API key and the HTTP limits (defaults from `Limits`)."""
-    from .server.http_guard import Limits
-
-    d = Limits()
+    schedule and its width, the slots, the API key and the HTTP limits."""
     p = Parser(prog=prog,
                description="Serve a model over an OpenAI-compatible HTTP API (/v1/models, "
                            "/v1/completions, /v1/chat/completions, /health) until Ctrl-C or "
@@ -322,6 +320,20 @@ def _serve_parser(prog: str) -> Parser:
     p.add_argument("--allowed-origins", type=origins, default=(),
                    help="web origins whose pages may call the server from a browser (CORS), "
                         "comma-separated, or '*' for any (default: none)")
+    _limit_args(p)
+    p.add_argument("--docs", action="store_true",
+                   help="serve the interactive API docs at /docs and /openapi.json")
+    p.add_argument("--warmup-only", action="store_true",
+                   help="make every program ready (compiled, and kept on disk for the next "
+                        "start), then exit without listening: a deployment's build step")
+    return p
+
+
+def _limit_args(p: Parser) -> None:
+    """The server's HTTP limits (defaults from `Limits`)."""
+    from .server.http_guard import Limits
+
+    d = Limits()
     p.add_argument("--max-body-bytes", type=int_at_least(1024), default=d.max_body_bytes,
                    help=f"larger request bodies get 413 (default {d.max_body_bytes})")
     p.add_argument("--max-connections", type=int_at_least(1), default=d.max_connections,
@@ -337,12 +349,6 @@ def _serve_parser(prog: str) -> Parser:
     p.add_argument("--drain-timeout", type=seconds, default=d.drain_timeout_s,
                    help="on SIGTERM/Ctrl-C, seconds requests in flight get to finish "
                         f"(default {d.drain_timeout_s:g})")
-    p.add_argument("--docs", action="store_true",
-                   help="serve the interactive API docs at /docs and /openapi.json")
-    p.add_argument("--warmup-only", action="store_true",
-                   help="make every program ready (compiled, and kept on disk for the next "
-                        "start), then exit without listening: a deployment's build step")
-    return p
 
 
 def _check_serve_args(p: Parser, args) -> None:
@@ -397,6 +403,23 @@ def _serving_app(args, limits, warm: bool = False):
         print(f"making {d.programs} programs ready (compiled, or read from disk); /health "
               "answers 503 until they are", file=sys.stderr, flush=True)
     return app, name
+
+
+class _Progress(logging.Handler):
+    """A warm-up's progress lines (programs.Warming) on stderr, as the other lines of
+    `packed-ss serve` are: to whatever `sys.stderr` is when a line comes."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"  {self.format(record)}", file=sys.stderr, flush=True)
+
+
+def _show_progress() -> None:
+    from . import programs
+
+    if not any(isinstance(h, _Progress) for h in programs.log.handlers):
+        programs.log.addHandler(_Progress())
+        programs.log.setLevel(logging.INFO)
+        programs.log.propagate = False
 
 
 def _ready(app, error: BaseException | None) -> None:
@@ -457,6 +480,7 @@ def _serve(argv: list[str] | None, prog: str) -> int:
     from .server import serve
 
     limits = _limits(args)
+    _show_progress()
     if args.warmup_only:
         app, _ = _serving_app(args, limits, warm=True)
         _ready(app, None)

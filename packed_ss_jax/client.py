@@ -227,22 +227,34 @@ class EngineClient:
         buckets, scored = self._plan
         s = Scheduler(self.engine, program, self.slots)
         label = repr(("server", program, self.slots, self.steps, buckets, scored))
-        loaded, _ = self.engine.warm(
-            label, lambda: self._run_each(s, defaults, program, buckets, scored))
+        loaded, _ = self.engine.warm(label, self._tasks(s, defaults, program, buckets, scored),
+                                     self.programs)
         return s, loaded
 
-    def _run_each(self, s: Scheduler, defaults: dict, program: Program, buckets: list[int],
-                  scored: list[int]) -> None:
+    def _tasks(self, s: Scheduler, defaults: dict, program: Program, buckets: list[int],
+               scored: list[int]) -> list[Callable[[], None]]:
+        """The warm-up, as tasks that may run side by side: the slots' programs in one
+        (each admit takes the state the one before it left), each bucket's first call
+        and each scoring length (logprobs, echo: scoring.py) on their own."""
         e = self.engine
-        for n in scored:   # logprobs and echo: prompt and output scored (scoring.py)
-            scoring.score(e, [1] * n)
-        # The first admit into an empty state may adopt the prefill's state: the first
-        # bucket comes twice, so that an insert is compiled however many buckets there are.
-        for b in buckets[:1] + buckets:
-            request = e.request([1] * min(b, self.capacity - 1), _options(defaults))
-            s.admit([self.seated(request, program)], [None])
-            s.release([(0, False)])
-        s.updates(s.launch(self.steps))
+
+        def request(b: int) -> Request:
+            return self.seated(e.request([1] * min(b, self.capacity - 1), _options(defaults)),
+                               program)
+
+        def slots() -> None:
+            # The first admit into an empty state may adopt the prefill's state: the first
+            # bucket comes twice, so that an insert is compiled however many buckets there
+            # are.
+            for b in buckets[:1] + buckets:
+                s.admit([request(b)], [None])
+                s.release([(0, False)])
+            s.updates(s.launch(self.steps))
+
+        # the largest buckets first: the slots' task reaches them last
+        first_calls = [lambda b=b: e.prefill([request(b)]) for b in reversed(buckets[1:])]
+        scores = [lambda n=n: scoring.score(e, [1] * n) for n in reversed(scored)]
+        return [slots, *first_calls, *scores]
 
     # --- the event loop's side ---------------------------------------------------------
 

@@ -19,9 +19,8 @@ tensor-parallel over "model".
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -153,26 +152,27 @@ class Engine:
         self.compile_s += time.perf_counter() - t0
         return n
 
-    def warm(self, label: str, run: Callable[[], None]) -> tuple[int, bool]:
-        """Readies the programs `run` asks for. When an earlier warm-up of this `label`
-        (what decides which programs `run` asks for) noted them, those it kept on disk
-        are read first (`preload`), and if that leaves none missing `run` is not called:
-        nothing is left to compile. Else it runs, and what it asked for is noted under
-        `label` for the next process. Returns (the programs read from disk here, whether
-        `run` ran)."""
+    def warm(self, label: str, tasks: Sequence[Callable[[], None]],
+             total: int | None = None) -> tuple[int, bool]:
+        """Readies the programs `tasks` ask for. When an earlier warm-up of this `label`
+        (what decides which programs they ask for) noted them, those it kept on disk are
+        read first (`preload`), and if that leaves none missing no task runs: nothing is
+        left to compile. Else the tasks run side by side (programs.Warming.run; each
+        compiled program is logged, of `total` expected), and what they asked for is
+        noted under `label` for the next process. Returns (the programs read from disk
+        here, whether the tasks ran)."""
         store = self._programs
         wanted = executables.recall(store.identity, label)
         loaded = self.preload([n for n in wanted.values() if n]) if wanted else 0
         if wanted is not None and set(wanted) <= {repr(k) for k in list(store)}:
             return loaded, False
-        store.recording = threading.get_ident(), set()
+        warming = store.recording = programs.Warming(total, loaded)
         try:
-            run()
-            asked = store.recording[1]
+            warming.run(tasks)
         finally:
             store.recording = None
         executables.remember(store.identity, label,
-                             {repr(k): store.entries.get(k) for k in asked})
+                             {repr(k): store.entries.get(k) for k in warming.asked})
         return loaded, True
 
     def forget(self, keep: Callable) -> None:

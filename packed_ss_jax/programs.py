@@ -9,17 +9,24 @@ when it is asked for again)."""
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import contextlib
+import logging
 import os
 import threading
 import time
 import weakref
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 
 from . import compile_cache, executables, sharding
 
 DEFAULT_MAX_PROGRAMS = 32
+
+# A warm-up's progress: one line per program it compiles or reads alone from disk
+# (`packed-ss serve` shows it).
+log = logging.getLogger(__name__)
 
 
 class Key(NamedTuple):
@@ -30,6 +37,71 @@ class Key(NamedTuple):
     program: object = None
     slots: int = 0
     rows: int = 0
+
+
+def describe(key: Key) -> str:
+    """A program in a progress line: its kind and what it is specialised on."""
+    parts = []
+    if getattr(key.program, "bucket", 0):
+        parts.append(f"prompt bucket {key.program.bucket}")
+    parts += [f"{n} {what}{'s' * (n != 1)}"
+              for n, what in ((key.slots, "slot"), (key.rows, "row")) if n]
+    return f"{key.kind} ({', '.join(parts)})" if parts else key.kind
+
+
+class Warming:
+    """A warm-up in progress (Engine.warm): the threads it runs on, the keys they asked
+    for (noted for the next process), and its count of programs made ready against the
+    `total` it expects (None: unknown)."""
+
+    def __init__(self, total: int | None = None, ready: int = 0):
+        self.threads = {threading.get_ident()}
+        self.asked: set = set()
+        self.total, self.ready = total, ready
+
+    def ran(self) -> bool:
+        return threading.get_ident() in self.threads
+
+    def made_ready(self, key: Key, seconds: float) -> None:
+        with _lock:   # its threads count in turn
+            self.ready += 1
+            of = "" if self.total is None else f" of {self.total}"
+            log.info("%s: %.1f s (%d%s ready)", describe(key), seconds, self.ready, of)
+
+    def run(self, tasks: Sequence[Callable[[], None]], workers: int | None = None) -> None:
+        """Runs `tasks` side by side, on `workers` threads (default `compile_threads()`),
+        each thread part of this warm-up: XLA compiles outside the interpreter's lock, so
+        programs asked for by different tasks compile at once (one asked for twice
+        compiles once: Programs.compiled). Re-raises the first task's error, once all
+        have ended."""
+        def joined(task):
+            self.threads.add(threading.get_ident())
+            task()
+
+        workers = max(1, min(len(tasks), workers or compile_threads()))
+        if workers == 1:
+            for task in tasks:
+                task()
+            return
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            futures = [pool.submit(joined, t) for t in tasks]
+        for f in futures:
+            f.result()
+
+
+def compile_threads() -> int:
+    """How many programs a warm-up compiles at once (`PACKED_SS_COMPILE_THREADS`): by
+    default one per core on a CPU, and one at a time on an accelerator, whose compiler
+    times candidate kernels on the device (autotuning), where compiles side by side would
+    time each other's."""
+    value = os.environ.get("PACKED_SS_COMPILE_THREADS", "")
+    if not value:
+        return (os.cpu_count() or 1) if jax.default_backend() == "cpu" else 1
+    try:
+        return max(int(value), 1)
+    except ValueError:
+        raise ValueError(f"PACKED_SS_COMPILE_THREADS must be a positive integer, "
+                         f"got {value!r}") from None
 
 
 def max_programs() -> int:
@@ -63,16 +135,17 @@ class Programs(dict):
     def __init__(self, identity=None):
         super().__init__()
         self.identity = identity
-        # (the thread of a warm-up, the keys it asked for): what it notes for the next
-        # process; other threads decoding meanwhile are not its programs
-        self.recording: tuple[int, set] | None = None
+        # the warm-up in progress: the keys its threads ask for are what it notes for the
+        # next process; other threads decoding meanwhile are not its programs
+        self.recording: Warming | None = None
         self.entries: dict = {}   # key -> the name of its entry on disk (executables.py)
+        self._compiling: dict = {}   # key -> the lock of its compile
 
     def used(self, key):
         """The program of `key` (None if not held), now the most recently used."""
         recording = self.recording   # read once: a warm-up on another thread may end
-        if recording is not None and recording[0] == threading.get_ident():
-            recording[1].add(key)
+        if recording is not None and recording.ran():
+            recording.asked.add(key)
         with _lock:
             exe = self.get(key)
             if exe is not None:
@@ -118,13 +191,26 @@ class Programs(dict):
         exe = self.used(key)
         if exe is not None:
             return exe, 0.0
-        compile_cache.ensure()
         t0 = time.perf_counter()
-        exe, name = executables.compiled(self.identity, key, fn, args, donate)
-        if name is not None:
-            self.entries[key] = name
-        self.hold(key, exe)
+        with self._compile_of(key):   # another thread asking for it waits for this one
+            exe = self.get(key)
+            if exe is None:
+                compile_cache.ensure()
+                exe, name = executables.compiled(self.identity, key, fn, args, donate)
+                if name is not None:
+                    self.entries[key] = name
+                self.hold(key, exe)
+                recording = self.recording
+                if recording is not None and recording.ran():
+                    recording.made_ready(key, time.perf_counter() - t0)
         return exe, time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def _compile_of(self, key):
+        with _lock:
+            lock = self._compiling.setdefault(key, threading.RLock())
+        with lock:
+            yield
 
 
 # Every held program, least recently used first: (id of its store, key) -> its store.

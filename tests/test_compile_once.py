@@ -165,12 +165,81 @@ def test_a_warm_up_notes_its_own_thread_s_programs_and_a_store_drops_what_it_is_
     a, b = Key("generate", "old"), Key("generate", "new")
     store.hold(a, object())
     store.hold(b, object())
-    store.recording = threading.get_ident(), set()
+    store.recording = programs.Warming()
     other = threading.Thread(target=store.used, args=(a,))
     other.start()
     other.join()
     store.used(b)
-    assert store.recording[1] == {b}
+    assert store.recording.asked == {b}
     store.recording = None
     store.drop(lambda key: key.program != "old")
     assert list(store) == [b] and store.used(a) is None and store.used(b) is not None
+
+
+def test_a_warm_up_runs_its_tasks_side_by_side_and_compiles_a_program_once(caplog,
+                                                                          monkeypatch):
+    """Engine.warm's tasks run on several threads (XLA compiles outside the interpreter's
+    lock); a program two of them ask for at once is compiled by one while the other
+    waits; each program compiled is one progress line, counted against the total; the
+    keys asked for on every thread of the warm-up are its note; a task's error is
+    raised once all have ended."""
+    import logging
+    import threading
+    import time
+
+    from packed_ss_jax import executables, programs
+
+    store = programs.Programs()
+    made, threads = [], set()
+    compiled = executables.compiled
+
+    def slow_compile(identity, key, *args):
+        made.append(key)
+        time.sleep(0.3)    # the other task asks for it meanwhile
+        return compiled(identity, key, *args)
+
+    monkeypatch.setattr(executables, "compiled", slow_compile)
+
+    def fn(x):
+        return x * 2
+
+    def task(key):
+        def run():
+            threads.add(threading.get_ident())
+            exe, _ = store.compiled(key, fn, np.ones(3, np.float32))
+            assert np.array_equal(np.asarray(exe(np.ones(3, np.float32))), [2, 2, 2])
+        return run
+
+    store.recording = warming = programs.Warming(total=2)
+    with caplog.at_level(logging.INFO, logger=programs.log.name):
+        warming.run([task(Key("same")), task(Key("same")), task(Key("other"))], workers=2)
+    store.recording = None
+    assert len(threads) == 2 and sorted(made) == [Key("other"), Key("same")]
+    assert warming.asked == {Key("same"), Key("other")}
+    lines = sorted(r.getMessage() for r in caplog.records)
+    assert [line.split(":")[0] for line in lines] == ["other", "same"]
+    assert sorted(line.split("(")[-1] for line in lines) == ["1 of 2 ready)", "2 of 2 ready)"]
+
+    ended = []
+
+    def failing():
+        raise RuntimeError("no room")
+
+    with pytest.raises(RuntimeError, match="no room"):
+        programs.Warming().run([failing, lambda: (time.sleep(0.2), ended.append(1))],
+                               workers=2)
+    assert ended == [1]
+
+
+def test_compile_threads_are_the_cores_on_a_cpu_or_what_the_environment_says(monkeypatch):
+    import os
+
+    from packed_ss_jax import programs
+
+    monkeypatch.delenv("PACKED_SS_COMPILE_THREADS", raising=False)
+    assert jax.default_backend() == "cpu" and programs.compile_threads() == os.cpu_count()
+    monkeypatch.setenv("PACKED_SS_COMPILE_THREADS", "1")
+    assert programs.compile_threads() == 1
+    monkeypatch.setenv("PACKED_SS_COMPILE_THREADS", "two")
+    with pytest.raises(ValueError, match="PACKED_SS_COMPILE_THREADS must be a positive"):
+        programs.compile_threads()

@@ -184,9 +184,9 @@ def test_a_second_server_start_reads_its_programs_and_runs_none(kept, monkeypatc
     held = set(first.engine.executables())
     programs.clear_programs()
     ran = []
-    run_each = EngineClient._run_each
-    monkeypatch.setattr(EngineClient, "_run_each",
-                        lambda self, *a: (ran.append(1), run_each(self, *a)))
+    tasks = EngineClient._tasks
+    monkeypatch.setattr(EngineClient, "_tasks", lambda self, *a: [
+        lambda t=t: (ran.append(1), t()) for t in tasks(self, *a)])
     model = ps.load()
     app = create_app(model, "nld-tiny", max_model_len=64, slots=2)
     d = app.app.state.decoder

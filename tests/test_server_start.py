@@ -5,6 +5,8 @@ meanwhile wait and get `decode`'s tokens; a warm-up that fails makes `/health` s
 server."""
 
 import concurrent.futures
+import functools
+import re
 import threading
 import time
 
@@ -26,13 +28,16 @@ def _app(**kw):
 
 def test_health_is_starting_until_ready_and_requests_wait(monkeypatch):
     release = threading.Event()
-    run_each = EngineClient._run_each
+    tasks = EngineClient._tasks
+
+    def after_release(task):
+        assert release.wait(120)
+        task()
 
     def held(self, *args):
-        assert release.wait(120)
-        return run_each(self, *args)
+        return [functools.partial(after_release, t) for t in tasks(self, *args)]
 
-    monkeypatch.setattr(EngineClient, "_run_each", held)
+    monkeypatch.setattr(EngineClient, "_tasks", held)
     told = []
     with in_process(_app(on_ready=told.append)) as base:
         code, body = request(base, "GET", "/health")
@@ -61,11 +66,11 @@ def _until_queued(base: str, n: int) -> None:
 
 
 def _failing(monkeypatch, hold: threading.Event | None = None):
-    def fail(self, *args):
+    def fail():
         assert hold is None or hold.wait(120)
         raise RuntimeError("no room for the programs")
 
-    monkeypatch.setattr(EngineClient, "_run_each", fail)
+    monkeypatch.setattr(EngineClient, "_tasks", lambda self, *args: [fail])
 
 
 def test_a_failed_warm_up_is_reported_and_refuses_requests(monkeypatch):
@@ -132,6 +137,12 @@ def test_warmup_only_makes_the_programs_ready_and_exits(tmp_path, monkeypatch, c
             err = capsys.readouterr().err
             assert "ready in" in err and "serving" not in err, err
             assert ("read from disk" in err) == read, err
+            # a cold warm-up tells each program it compiled, counted against the whole
+            compiled = [line for line in err.splitlines() if line.endswith(" ready)")]
+            assert bool(compiled) != read, err
+            if not read:
+                total = int(re.search(r"ready in [\d.]+ s: (\d+) programs", err)[1])
+                assert any(c.endswith(f"({total} of {total} ready)") for c in compiled), err
     finally:
         programs.clear_programs()
         compile_cache.set_compile_cache(run_compile_cache)
