@@ -414,12 +414,12 @@ WALKED = [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 
 @pytest.mark.long_check
-def test_the_pages_followed_in_one_clone_leave_its_tree_as_git_has_it(tmp_path, monkeypatch):
+def test_the_pages_followed_in_one_clone_leave_its_quick_loop_green(tmp_path, monkeypatch):
     """A reader who follows README.md and then every docs page top to bottom in one clone
     (each command at its small limits, each example in its page's namespace, the recipes
     of saved runs left out: they rewrite benchmarks/results) leaves nothing there that
-    git would see: whatever the pages write goes to ignored folders (`out/`), so no
-    following of the docs can change what the tests of that clone find."""
+    git would see (whatever the pages write goes to ignored folders, `out/`), and the
+    quick loop then passes in that clone."""
     git = shutil.which("git")
     if git is None or not (ROOT / ".git").exists():
         pytest.skip("needs git and a git checkout to clone")
@@ -437,6 +437,10 @@ def test_the_pages_followed_in_one_clone_leave_its_tree_as_git_has_it(tmp_path, 
     status = subprocess.run([git, "status", "--porcelain", "--untracked-files=all"],
                             cwd=clone, capture_output=True, text=True, check=True).stdout
     assert status == "", f"following the pages left files git sees:\n{status}"
+    quick = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow",
+                            "-p", "no:cacheprovider"], cwd=clone, capture_output=True,
+                           text=True)
+    assert quick.returncode == 0, quick.stdout[-4000:] + quick.stderr[-4000:]
 
 
 def test_markers_are_well_formed():
