@@ -1,8 +1,10 @@
 """`schedule="auto"` against every fixed candidate it chooses from, on this device: for
 each embedded model, at batch 1 (prompts decoded one at a time) and batch 8 (prompts
 decoded eight per call), tokens per second of every candidate (schedule, width, k) and
-of `auto`, interleaved over `--rounds` rounds (each round runs every setting once, in
-an order that rotates; the median round is reported). Every output is checked against
+of `auto`, over `--rounds` rounds, the median round reported. Within a round the
+settings take turns call by call: each call's prompts are decoded by every setting, in
+an order that rotates from call to call; `auto` against the best fixed candidate is the
+median of their ratios round by round (and, beside it, the ratio of their medians). Every output is checked against
 the reference schedule's (greedy: token for token).
 
 `auto` is calibrated first, on a quiet machine, in an empty folder (the cost model's
@@ -67,24 +69,19 @@ def _arguments(argv) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _decode(model, prompts, batch: int, options: dict, max_new: int, predictions=None):
-    """The prompts decoded `batch` at a time: (results, decoder seconds, compile seconds).
-    `predictions`: a list that gets each call's predicted and observed tokens/s (auto)."""
-    results, wall, compile_s = [], 0.0, 0.0
-    for i in range(0, len(prompts), batch):
-        group = prompts[i: i + batch]
-        out = ps.decode(model, group if batch > 1 else group[0],
-                        options=ps.DecodeOptions(max_new_tokens=max_new, **options))
-        out = out if batch > 1 else [out]
-        results += out
-        wall += out[0].wall_s
-        compile_s += out[0].compile_s
-        if predictions is not None and out[0].wall_s > 0 and any(r.tokens for r in out):
-            predictions.append({"label": out[0].auto["label"], "requests": len(out),
-                                "explored": out[0].auto["explored"],
-                                "predicted": out[0].auto["predicted_tokens_per_s"],
-                                "observed": sum(len(r.tokens) for r in out) / out[0].wall_s})
-    return results, wall, compile_s
+def _decode(model, group, options: dict, max_new: int, predictions=None):
+    """One call: the prompts of `group` decoded at once (one alone: a plain decode).
+    Returns (results, decoder seconds). `predictions`: a list that gets the call's
+    predicted and observed tokens/s (auto)."""
+    out = ps.decode(model, group if len(group) > 1 else group[0],
+                    options=ps.DecodeOptions(max_new_tokens=max_new, **options))
+    out = out if len(group) > 1 else [out]
+    if predictions is not None and out[0].wall_s > 0 and any(r.tokens for r in out):
+        predictions.append({"label": out[0].auto["label"], "requests": len(out),
+                            "explored": out[0].auto["explored"],
+                            "predicted": out[0].auto["predicted_tokens_per_s"],
+                            "observed": sum(len(r.tokens) for r in out) / out[0].wall_s})
+    return out, out[0].wall_s
 
 
 class _Load:
@@ -127,9 +124,8 @@ def measure_model(name: str, args) -> dict:
           file=sys.stderr, flush=True)
     settings = {c.label(family): c.options(family) for c in planner.candidates}
     settings[AUTO] = {"schedule": AUTO}
-    reference = _decode(model, prompts, 1, {"schedule": family.reference},
-                        args.max_new_tokens)[0]
-    want = [r.tokens for r in reference]
+    want = [_decode(model, [p], {"schedule": family.reference}, args.max_new_tokens)[0][0]
+            .tokens for p in prompts]
     rows = []
     for load in args.load.split(","):
         if load not in LOADS:
@@ -148,32 +144,50 @@ def measure_model(name: str, args) -> dict:
 
 
 def _measure_batch(name, family, model, prompts, want, settings, batch, load, args) -> dict:
-    speeds = collections.defaultdict(list)
+    """Every setting's tokens/s per round. Settings take turns call by call (each call's
+    prompts decoded by every setting, in an order that rotates from call to call), so that
+    a slow second of the machine falls on all of them alike rather than on one setting's
+    whole round."""
+    tokens = collections.defaultdict(lambda: collections.defaultdict(int))
+    seconds = collections.defaultdict(lambda: collections.defaultdict(float))
     choices = collections.Counter()
     predictions: list[dict] = []
     labels = list(settings)
+    groups = [list(range(i, min(i + batch, len(prompts))))
+              for i in range(0, len(prompts), batch)]
+    turn = 0
     for rnd in range(args.rounds + 1):   # round 0 compiles and is not counted
-        shift = rnd % len(labels)
-        for label in labels[shift:] + labels[:shift]:
-            results, wall, _ = _decode(model, prompts, batch, settings[label],
-                                       args.max_new_tokens,
-                                       predictions if label == AUTO else None)
-            if [r.tokens for r in results] != want:
-                raise SystemExit(f"{name} {label} batch {batch}: tokens differ from "
-                                 f"{family.reference}'s")
-            if label == AUTO:
-                choices.update(r.auto["label"] for r in results[::batch])
-            if rnd:
-                speeds[label].append(sum(len(r.tokens) for r in results) / wall)
+        for group in groups:
+            shift = turn % len(labels)
+            turn += 1
+            for label in labels[shift:] + labels[:shift]:
+                results, wall = _decode(model, [prompts[i] for i in group], settings[label],
+                                        args.max_new_tokens,
+                                        predictions if label == AUTO else None)
+                if [r.tokens for r in results] != [want[i] for i in group]:
+                    raise SystemExit(f"{name} {label} batch {batch}: tokens differ from "
+                                     f"{family.reference}'s")
+                if label == AUTO:
+                    choices[results[0].auto["label"]] += 1
+                tokens[rnd][label] += sum(len(r.tokens) for r in results)
+                seconds[rnd][label] += wall
         print(f"{name} {load} batch {batch}: round {rnd} done", file=sys.stderr, flush=True)
+    speeds = {label: [tokens[r][label] / seconds[r][label] for r in range(1, args.rounds + 1)]
+              for label in labels}
     median = {k: statistics.median(v) for k, v in speeds.items()}
     best = max((k for k in median if k != AUTO), key=median.get)
+    # auto against the best in each round, whose calls took turns with it: the slow
+    # seconds of the machine fall on both alike, as they do not on two medians
+    paired = [a / b for a, b in zip(speeds[AUTO], speeds[best])]
     row = {"model": name, "load": load, "batch": batch, "tokens_per_s": median,
-           "rounds": dict(speeds), "best_fixed": best,
-           "auto_vs_best": median[AUTO] / median[best], "auto_choices": dict(choices),
-           "predictions": predictions, **prediction_errors(predictions)}
+           "rounds": speeds, "best_fixed": best,
+           "auto_vs_best": statistics.median(paired), "auto_vs_best_by_round": paired,
+           "auto_median_vs_best_median": median[AUTO] / median[best],
+           "auto_choices": dict(choices), "predictions": predictions,
+           **prediction_errors(predictions)}
     print(f"{name} {load} batch {batch}: auto {median[AUTO]:.0f} tokens/s, best fixed {best} "
-          f"{median[best]:.0f} ({row['auto_vs_best']:.3f}x); auto chose {dict(choices)}",
+          f"{median[best]:.0f} ({row['auto_vs_best']:.3f}x, the median of the rounds "
+          f"{min(paired):.3f}-{max(paired):.3f}); auto chose {dict(choices)}",
           file=sys.stderr, flush=True)
     return row
 
@@ -203,16 +217,19 @@ def markdown(runs: list[dict]) -> str:
         for label in run["rows"][0]["tokens_per_s"]:
             cells = [f"{r['tokens_per_s'][label]:.0f}" for r in run["rows"]]
             out.append(f"| {label} | " + " | ".join(cells) + " |")
-        out.append(f"\n| {run['model']} | best fixed | auto / best | auto chose | "
+        out.append(f"\n| {run['model']} | best fixed | auto / best: median of rounds | "
+                   "rounds | of the medians | auto chose | "
                    f"auto calls | predicted / observed, call 1 | after {LEARNED} requests: "
                    "median error | max error |")
-        out.append("|---|---|---|---|---|---|---|---|")
+        out.append("|---|---|---|---|---|---|---|---|---|---|")
         for r in run["rows"]:
             first = r["predictions"][0]
             after = ("-" if r["error_after"] is None else f"{r['error_after']:.0%}",
                      "-" if r["error_after_max"] is None else f"{r['error_after_max']:.0%}")
             out.append(f"| {r['load']} batch {r['batch']} | {r['best_fixed']} | "
-                       f"{r['auto_vs_best']:.3f} | {r['auto_choices']} | "
+                       f"{r['auto_vs_best']:.3f} | {min(r['auto_vs_best_by_round']):.2f}-"
+                       f"{max(r['auto_vs_best_by_round']):.2f} | "
+                       f"{r['auto_median_vs_best_median']:.3f} | {r['auto_choices']} | "
                        f"{len(r['predictions'])} | "
                        f"{first['predicted'] / first['observed']:.2f} | {after[0]} | "
                        f"{after[1]} |")

@@ -7,11 +7,14 @@ sampling accepts fewer drafts), the tokens and loop iterations of the decodes it
 shown together with their accepted-length histograms: a prior from calibration decodes
 (weighted as `PRIOR_ITERATIONS` iterations, so that the decodes that follow soon
 outweigh it), then every decode run with the candidate (running). The expected tokens
-per iteration is their ratio.
+per iteration is their ratio. How far apart the rows of a batch finish (`busy`) comes
+from the iterations of each decode: the calibration's, then the last `LENGTHS_KEPT` run
+with the candidate, since how long its decodes run varies with the prompts it is given.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import threading
@@ -21,9 +24,22 @@ import numpy as np
 from .shape import Shape
 
 PRIOR_ITERATIONS = 256   # what a calibration weighs against the running decodes
+LENGTHS_KEPT = 256       # the decodes' iterations a candidate's `busy` is drawn from
 _COUNT_MAX = 2 ** 31 - 1  # slots and iterations are int32 on the device
 
 Candidate = Shape   # what `auto` chooses among: a schedule at a width with k branches
+
+
+def busy(lengths, sequences: int) -> float:
+    """The mean of `lengths` (each decode's iterations) over the expected largest of
+    `sequences` draws from them: the share of the row-iterations of that many decodes
+    started together that decode."""
+    if sequences <= 1 or not len(lengths):
+        return 1.0
+    x = np.sort(np.asarray(lengths, np.float64))
+    at = np.arange(len(x) + 1) / len(x)
+    largest = float(np.sum(x * np.diff(at ** sequences)))
+    return float(x.mean()) / largest if largest > 0 else 1.0
 
 
 @dataclasses.dataclass
@@ -56,14 +72,10 @@ class Tally:
 
     def busy(self, sequences: int) -> float:
         """The expected share of a batch's row-iterations that decode, for `sequences`
-        sequences started together (a batch runs until its longest decode ends): the mean
-        of `lengths` over the expected largest of `sequences` draws from them."""
-        if sequences <= 1 or not self.lengths:
-            return 1.0
-        x = np.sort(np.asarray(self.lengths, np.float64))
-        at = np.arange(len(x) + 1) / len(x)
-        largest = float(np.sum(x * np.diff(at ** sequences)))
-        return float(x.mean()) / largest if largest > 0 else 1.0
+        sequences started together (a batch runs until its longest decode ends): `busy`
+        of `lengths`."""
+        return busy(self.lengths, sequences)
+
 
     def add(self, tokens: float, iterations: float, accept_hist) -> None:
         self.tokens += tokens
@@ -83,6 +95,7 @@ class AcceptanceModel:
         self.prior = dict(prior or {})
         self.prior_iterations = prior_iterations
         self.running: dict[tuple[Candidate, bool], Tally] = {}
+        self.lengths: dict[Candidate, collections.deque] = {}   # its decodes' iterations
         self._lock = threading.Lock()
 
     def knows(self, candidate: Candidate) -> bool:
@@ -93,9 +106,12 @@ class AcceptanceModel:
             self.prior[candidate] = tally
 
     def busy(self, candidate: Candidate, sequences: int) -> float:
-        """Tally.busy of the candidate's calibration (1 for a candidate without one)."""
+        """`busy` of the iterations of the candidate's calibration decodes and of its
+        last LENGTHS_KEPT decodes since (1 for a candidate without either)."""
         p = self.prior.get(candidate)
-        return 1.0 if p is None else p.busy(sequences)
+        with self._lock:
+            seen = tuple(self.lengths.get(candidate, ()))
+        return busy((() if p is None else p.lengths) + seen, sequences)
 
     def tokens_per_iteration(self, candidate: Candidate, sampled: bool = False) -> float:
         """The prior's rate weighted as `prior_iterations` iterations, pooled with the
@@ -110,8 +126,11 @@ class AcceptanceModel:
         """Adds decodes (DecodeResults) run with `candidate` to the running tally."""
         with self._lock:
             t = self.running.setdefault((candidate, sampled), Tally())
+            lengths = self.lengths.setdefault(
+                candidate, collections.deque(maxlen=LENGTHS_KEPT))
             for r in results:
                 t.add(len(r.tokens), r.iterations, r.accept_hist)
+                lengths.append(r.iterations)
 
     def table(self) -> list[dict]:
         """Per candidate and kind: the prior's and the running decodes' tokens per

@@ -11,18 +11,22 @@ per size of what decodes together (the planner's: the number of sequences, and w
 slots are refilled as they end): `drift`, the machine's state (a process beside it,
 another clock) shared by every candidate; a candidate's `offset`, how it runs against
 that (what the base misses of this schedule and width). The first decode at a size sets
-the drift; the first decode of a candidate sets its offset against the drift now, and
-an explored one moves it halfway there (one noisy decode cannot banish a candidate). A
-decode of the kept choice moves the drift by `DECAY` of its error from the prediction: every candidate follows the machine as the kept one sees it, each in its
-place against it, until it runs again. Decodes of one candidate cannot tell a slow
-schedule from a slow machine; only decodes of another can, which is what exploring is
-for.
+the drift. A candidate's offset is the mean of what its first decode and its explored
+ones showed against the drift at the time, with the calibration counted as `PRIOR`
+decodes that showed no offset: the calibration timed every candidate on several
+prompts, and one noisy decode must not banish a candidate. A decode of the kept choice
+moves the drift by `DECAY` of its error from the prediction: every candidate follows the
+machine as the kept one sees it, each in its place against it, until it runs again.
+Decodes of one candidate cannot tell a slow schedule from a slow machine; only decodes
+of another can, which is what exploring is for.
 
-Exploration: one choice in `EXPLORE_EVERY` of a kind decodes with another candidate
-predicted within `EXPLORE_WITHIN` of the best: the fastest predicted of those not run
-within the last `FRESH` timed decodes (of any size). That bounds what exploring costs (at most
-1 - EXPLORE_WITHIN on one decode in EXPLORE_EVERY) and tries first the candidate most
-likely to be faster, so that a machine whose state favours another schedule is found.
+Exploration: one choice in `EXPLORE_EVERY` of a kind, and its `EARLY` ones (a kind's
+first choices rest on the calibration alone, which may rank candidates wrongly at that
+size), decodes with another candidate predicted within `EXPLORE_WITHIN` of the best: the
+fastest predicted of those not run within the last `FRESH` timed decodes (of any size).
+That bounds what exploring costs (at most 1 - EXPLORE_WITHIN on one decode in
+EXPLORE_EVERY, past the first ones) and tries first the candidate most likely to be
+faster, so that a machine whose state favours another schedule is found.
 """
 
 from __future__ import annotations
@@ -35,19 +39,28 @@ from typing import Hashable
 from .acceptance import Candidate
 
 DECAY = 0.25          # how far a decode of the kept choice moves the drift
+PRIOR = 1             # the calibration's weight in an offset, in decodes
 BOUND = 16.0          # an observed/predicted ratio is clamped to [1/BOUND, BOUND]
 EXPLORE_EVERY = 16    # one choice in this many explores
 EXPLORE_WITHIN = 0.8  # only candidates predicted at least this fraction of the best
-FRESH = 2 * EXPLORE_EVERY   # a candidate run within this many decodes is not explored
+FRESH = EXPLORE_EVERY   # a candidate run within this many decodes is not explored
+EARLY = (2, 4, 8)     # the choices of a kind that explore besides
+
+
+def explores(n: int) -> bool:
+    """Whether the n-th choice of a kind (1, 2, ...) explores."""
+    return n % EXPLORE_EVERY == 0 or n in EARLY
 
 
 @dataclasses.dataclass
 class Offset:
-    """A candidate's log-ratio against the drift, its decodes and the decode count (of
-    every candidate) at the last one."""
+    """A candidate's log-ratio against the drift, its decodes, those of them it was
+    measured by (its first and its explored ones), and the decode count (of every
+    candidate) at the last one."""
 
     value: float = 0.0
     count: int = 0
+    measured: int = 0
     last: int = -1
 
 
@@ -76,10 +89,9 @@ class Feedback:
             own = self.offsets.setdefault((candidate, size), Offset())
             if size not in self.drift:   # the first decode at this size: the machine
                 self.drift[size] = x
-            elif own.count == 0:
-                own.value = x - self.drift[size]
-            elif explored:
-                own.value = (own.value + x - self.drift[size]) / 2
+            elif own.count == 0 or explored:
+                own.measured += 1
+                own.value += (x - self.drift[size] - own.value) / (own.measured + PRIOR)
             else:
                 self.drift[size] += DECAY * (x - self.drift[size] - own.value)
             own.count += 1

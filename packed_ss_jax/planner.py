@@ -49,10 +49,10 @@ import jax
 import numpy as np
 
 from . import cost as cost_lib
-from . import memory, options as options_lib, scheduler, validate
+from . import feedback as feedback_lib, memory, options as options_lib, scheduler, validate
 from .acceptance import AcceptanceModel, Candidate, Tally
 from .engine import Engine
-from .feedback import BOUND, EXPLORE_EVERY, EXPLORE_WITHIN, Feedback
+from .feedback import BOUND, EXPLORE_WITHIN, Feedback
 from .options import DecodeOptions
 from .validate import InputError
 
@@ -358,8 +358,8 @@ class Planner:
                explore: bool = True, fits_now: bool = True, refilled: bool = False) -> Choice:
         """The fastest feasible candidate for `sequences` prompts of at most `prompt_len`
         tokens decoded with `options` (schedule "auto"; a width or branches given keep
-        the candidates of that width or k); with `explore`, one choice in EXPLORE_EVERY
-        of a kind may be another close candidate (feedback.py). `fits_now`: a candidate
+        the candidates of that width or k); with `explore`, a few choices of a kind may
+        be another close candidate (feedback.explores). `fits_now`: a candidate
         whose decode state does not fit the memory free now is left out (a server's
         choice made again leaves this to its move, its own state holding that memory,
         and keeps to the candidates calibrated already). `refilled`: the sequences are
@@ -402,7 +402,7 @@ class Planner:
             self._kept[key] = best.candidate
             self._chosen[key] = n = self._chosen.get(key, 0) + 1
             tried = self._explore(feasible, best, (sequences, refilled)) if explore and \
-                n % EXPLORE_EVERY == 0 else None
+                feedback_lib.explores(n) else None
         if tried is not None:
             return Choice(tried.candidate, tried.tokens_per_s, sequences, sampled,
                           tuple(feasible), explored=True, refilled=refilled)

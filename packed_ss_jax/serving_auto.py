@@ -13,9 +13,9 @@ empty and moves to it (client.py). Every candidate is exact: a greedy request ge
 same tokens whichever decodes it, a sampled one its seed's tokens with the schedule its
 result reports.
 
-It explores as a library decode does (feedback.py), one choice in EXPLORE_EVERY, but a
-choice here is made every REPLAN_EVERY launches: a close candidate not observed lately
-gets REPLAN_EVERY launches, at the price of two moves (the slots emptied twice) and, the
+It explores as a library decode does (feedback.explores: a few early choices, then one
+in EXPLORE_EVERY), but a choice here is made every REPLAN_EVERY launches: a close
+candidate not observed lately gets REPLAN_EVERY launches, at the price of two moves (the slots emptied twice) and, the
 first time, its compile beside the slots.
 """
 

@@ -108,6 +108,20 @@ def test_a_batch_is_expected_to_idle_as_its_calibration_lengths_say():
     assert Tally(lengths=(1, 1, 1, 97)).busy(64) == pytest.approx(25 / 97, rel=1e-4)
 
 
+def test_a_candidate_s_idling_follows_the_lengths_of_its_own_decodes():
+    """The prompts a candidate is given decide how far apart a batch's rows finish: its
+    decodes' iterations join the calibration's, the last LENGTHS_KEPT of them."""
+    from packed_ss_jax import acceptance
+
+    m = AcceptanceModel({PACKED: Tally(30.0, 10.0, lengths=(10, 10))})
+    assert m.busy(PACKED, 8) == 1.0 and m.busy(AR, 8) == 1.0   # AR: never calibrated
+    m.observe(PACKED, False, [_Result(15, 5, [0, 5]), _Result(60, 20, [0, 20])])
+    assert m.busy(PACKED, 2) == pytest.approx(acceptance.busy((10, 10, 5, 20), 2))
+    assert m.busy(PACKED, 2) < 1.0
+    m.observe(PACKED, True, [_Result(30, 10, [0, 10])] * acceptance.LENGTHS_KEPT)
+    assert m.busy(PACKED, 8) == pytest.approx(acceptance.busy((10, 10), 8)) == 1.0
+
+
 def test_a_timed_prior_goes_to_json_and_back_and_broken_timing_is_refused():
     t = Tally(30.0, 10.0, np.array([1, 2]), seconds=0.5, slots=64, lengths=(4, 6),
               batch_s=0.3)
@@ -167,13 +181,14 @@ def test_the_fastest_predicted_candidate_is_chosen_and_batches_turn_speculation_
 
 def test_a_kept_choice_yields_only_past_the_margin(model, tmp_path):
     p = _planner(model, tmp_path)
-    assert p.choose(DecodeOptions(schedule="auto"), 8).candidate == PACKED
+    auto = DecodeOptions(schedule="auto")
+    assert p.choose(auto, 8, explore=False).candidate == PACKED
     # Packed-SS's decodes accept less: Branched-SS now predicted 2-3 % faster: kept.
     p.observe([_auto_result(PACKED, tokens=2410, iterations=1000)])
     assert p.acceptance.tokens_per_iteration(PACKED) < 2.45
-    assert p.choose(DecodeOptions(schedule="auto"), 8).candidate == PACKED
+    assert p.choose(auto, 8, explore=False).candidate == PACKED
     p.observe([_auto_result(PACKED, tokens=1000, iterations=1000)])   # far slower: switch
-    assert p.choose(DecodeOptions(schedule="auto"), 8).candidate == BRANCHED
+    assert p.choose(auto, 8, explore=False).candidate == BRANCHED
 
 
 def _auto_result(c, tokens, iterations, iteration_s=1e-3, base_s=1e-3, sequences=1):
