@@ -76,7 +76,6 @@ class Tally:
         of `lengths`."""
         return busy(self.lengths, sequences)
 
-
     def add(self, tokens: float, iterations: float, accept_hist) -> None:
         self.tokens += tokens
         self.iterations += iterations

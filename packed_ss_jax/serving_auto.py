@@ -15,8 +15,8 @@ result reports.
 
 It explores as a library decode does (feedback.explores: a few early choices, then one
 in EXPLORE_EVERY), but a choice here is made every REPLAN_EVERY launches: a close
-candidate not observed lately gets REPLAN_EVERY launches, at the price of two moves (the slots emptied twice) and, the
-first time, its compile beside the slots.
+candidate not observed lately gets REPLAN_EVERY launches, at the price of two moves
+(the slots emptied twice) and, the first time, its compile beside the slots.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def test_a_candidate_not_run_follows_the_machine_and_keeps_its_place():
     for _ in range(60):                                # the machine slows by half again,
         f.observe(PACKED, 1, 1e-3, 3e-3)               # as Packed-SS sees it
     assert f.factor(PACKED, 1) == pytest.approx(3.0, rel=1e-6)
-    assert f.factor(LINEAR, 1) == pytest.approx(3.0 * 2.0 ** own, rel=1e-6)   # in its place
+    assert f.factor(LINEAR, 1) == pytest.approx(3.0 * 2.0 ** own, rel=1e-6)   # its place
     # Tried again at 1.5x the machine: its offset is the mean of the calibration's and
     # its two decodes'.
     f.observe(LINEAR, 1, 1e-3, 4.5e-3, explored=True)
