@@ -576,19 +576,41 @@ def test_paths_and_modules_named_in_the_pages_exist():
     assert not bad, "\n".join(bad)
 
 
+def _repository_paths() -> set[str] | None:
+    """Every path of the repository (tracked, or new and not ignored) and every folder
+    above one, as git sees them; None outside a git checkout."""
+    git = shutil.which("git")
+    if git is None or not (ROOT / ".git").exists():
+        return None
+    out = subprocess.run([git, "ls-files", "--cached", "--others", "--exclude-standard"],
+                         cwd=ROOT, capture_output=True, text=True)
+    if out.returncode != 0:
+        return None
+    paths = set()
+    for line in out.stdout.splitlines():
+        parts = Path(line).parts
+        paths.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return paths
+
+
 def test_readme_layout_names_every_module():
     """The README's Layout block names every top-level entry of the repository and of
-    packed_ss_jax/ (a module as `name.py`, a folder as `name/`)."""
+    packed_ss_jax/ (a module as `name.py`, a folder as `name/`): what git tracks or would
+    track, not what the docs' commands write into ignored folders (`out/`)."""
     text = README.read_text()
     layout = text[text.index("## Layout"):]
     layout = layout[:layout.index("```", layout.index("```") + 3)]
     named = set(re.findall(r"[\w.-]+/?", layout))
-    skip = {"__pycache__", "packed_ss_jax.egg-info", "README.md", "LICENSE"}
+    skip = {"__pycache__", "packed_ss_jax.egg-info", "README.md", "LICENSE", "out", "build",
+            "dist"}   # without git: the ignored folders the docs and packaging write
+    paths = _repository_paths()
 
     def entries(folder: Path) -> list[str]:
         return [p.name + ("/" if p.is_dir() else "") for p in sorted(folder.iterdir())
-                if p.name not in skip and not p.name.startswith(".")
-                and (p.is_dir() or p.suffix in (".py", ".toml"))]
+                if not p.name.startswith(".")
+                and (p.is_dir() or p.suffix in (".py", ".toml"))
+                and (p.name not in skip if paths is None
+                     else p.relative_to(ROOT).as_posix() in paths)]
 
     missing = [f"packed_ss_jax/{e}" for e in entries(ROOT / "packed_ss_jax") if e not in named]
     missing += [e for e in entries(ROOT) if e not in named]
