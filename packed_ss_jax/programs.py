@@ -93,7 +93,10 @@ def compile_threads() -> int:
     """How many programs a warm-up compiles at once (`PACKED_SS_COMPILE_THREADS`): by
     default one per core on a CPU, and one at a time on an accelerator, whose compiler
     times candidate kernels on the device (autotuning), where compiles side by side would
-    time each other's."""
+    time each other's. Always one at a time across several processes: a program that
+    spans them must run in the same order in each."""
+    if jax.process_count() > 1:
+        return 1
     value = os.environ.get("PACKED_SS_COMPILE_THREADS", "")
     if not value:
         return (os.cpu_count() or 1) if jax.default_backend() == "cpu" else 1

@@ -243,3 +243,6 @@ def test_compile_threads_are_the_cores_on_a_cpu_or_what_the_environment_says(mon
     monkeypatch.setenv("PACKED_SS_COMPILE_THREADS", "two")
     with pytest.raises(ValueError, match="PACKED_SS_COMPILE_THREADS must be a positive"):
         programs.compile_threads()
+    monkeypatch.setenv("PACKED_SS_COMPILE_THREADS", "4")
+    monkeypatch.setattr(jax, "process_count", lambda: 2)   # programs spanning processes
+    assert programs.compile_threads() == 1
