@@ -23,7 +23,10 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -54,9 +57,11 @@ def _arguments(argv) -> argparse.Namespace:
 
 
 class Server:
-    """`packed-ss serve --port 0` of one schedule, ready; stopped on exit."""
+    """`packed-ss serve --port 0` of one schedule, ready (its /health answers 200: it
+    listens before its programs are ready, and a request sent meanwhile would time the
+    warm-up); stopped on exit."""
 
-    def __init__(self, args, schedule: str):
+    def __init__(self, args, schedule: str, timeout: float = 600):
         cmd = [sys.executable, "-m", "packed_ss_jax", "serve", "--port", "0", "--schedule",
                schedule, "--max-num-seqs", str(args.max_num_seqs)]
         if args.model:
@@ -71,6 +76,24 @@ class Server:
                 break
         else:
             raise RuntimeError("the server did not start:\n" + "\n".join(self.startup))
+        # The rest of its output read on, so that a full pipe never stalls it.
+        threading.Thread(target=self._drain, daemon=True).start()
+        self._wait_ready(self.base.removesuffix("/v1") + "/health", timeout)
+
+    def _drain(self) -> None:
+        for line in self.proc.stderr:
+            self.startup.append(line.rstrip())
+
+    def _wait_ready(self, health: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                with urllib.request.urlopen(health, timeout=5):
+                    return   # 200; 503 ("starting") raises HTTPError
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.1)
+        self.proc.kill()
+        raise RuntimeError("the server did not become ready:\n" + "\n".join(self.startup))
 
     def __enter__(self):
         return self

@@ -20,7 +20,7 @@ import jax
 import packed_ss_jax as ps
 from packed_ss_jax import DecodeOptions, Engine
 from packed_ss_jax.scheduler import DEFAULT_CHUNK, Streaming
-from packed_ss_jax.detokenize import Detokenizer
+from packed_ss_jax.chunks import Detokenizer
 
 PROMPT = ("Question: Ava has 12 apples. Ava gets 7 more apples. How many apples does Ava have "
           "now?\nAnswer:")

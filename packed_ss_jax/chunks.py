@@ -1,15 +1,45 @@
 """A streamed decode's output as chunks: the ids that became final in each launch and
 the text that became stable with them, held back where a stop text could still begin,
 ending where one is found (stops.py). `stream` feeds it from one request's launches, the
-server from each slot of its batched launches."""
+server from each slot of its batched launches.
+
+Text is stable up to its last complete character: a byte-level tokenizer splits one
+character over several tokens, and a prefix that ends inside it decodes to U+FFFD
+replacement characters that a later token turns into the real one. The ids are decoded
+whole each time, so the streamed text is exactly the decode's text.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from . import stops
-from .detokenize import Detokenizer
 from .results import DecodeResult
+
+REPLACEMENT = "\ufffd"
+
+
+class Detokenizer:
+    """The text of a growing list of ids, handed out only once it is stable."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.ids: list[int] = []
+        self.text = ""        # the text handed out so far
+
+    def stable(self) -> str:
+        """The decoded text of every id so far, less an unfinished trailing character."""
+        return self.decode(self.ids).rstrip(REPLACEMENT)
+
+    def add(self, ids) -> str:
+        """Adds ids; returns the text that became stable (may be "")."""
+        self.ids.extend(int(i) for i in ids)
+        text = self.stable()
+        if not text.startswith(self.text):  # a decoder that rewrote earlier text
+            return ""
+        new, self.text = text[len(self.text):], text
+        return new
 
 
 @dataclasses.dataclass
@@ -46,12 +76,13 @@ class Chunker:
             return StreamChunk(new, None)
         self.text.add(new)
         stable = self.text.text
-        if stops.find_text(stable, self.stop_texts) is not None:
+        shown = stops.shown(stable, self.stop_texts)
+        if shown is None:
             self.ended = True
             return None
-        visible = stable[: len(stable) - stops.holdback(stable, self.stop_texts)]
         if done:
             return None
+        visible = stable[:shown]
         piece, self.sent_text = visible[len(self.sent_text):], visible
         self.sent_ids += len(new)
         return StreamChunk(new, piece)

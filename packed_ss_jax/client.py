@@ -29,7 +29,7 @@ from typing import Callable
 
 import numpy as np
 
-from . import api, memory, planner as planner_lib, programs, scoring
+from . import api, memory, planner as planner_lib, programs, scoring, validate
 from .chunks import Chunker, StreamChunk
 from .engine import Engine
 from .options import DecodeOptions, Program, Request, bucket_for, on_sampled_program
@@ -37,6 +37,7 @@ from .planner import AUTO
 from .results import DecodeResult
 from .scheduler import Ended, Scheduler, Update
 from .serving_auto import ServingAuto
+from .serving_metrics import Metrics
 from .validate import InputError
 
 DEFAULT_SLOTS = 8     # --max-num-seqs
@@ -55,18 +56,6 @@ def _options(defaults: dict, **sampling) -> DecodeOptions:
 
 class Draining(Exception):
     """The client takes no more requests: its server is shutting down."""
-
-
-class Observer:
-    """What the client reports as requests end (the server's metrics replace it)."""
-
-    def first_token(self, seconds: float) -> None: ...
-
-    def finished(self, result: DecodeResult, first_token_s, wall_s: float) -> None: ...
-
-    def ended(self, outcome: str) -> None: ...
-
-    def schedule_in_use(self, label: str, predicted_tokens_per_s: float | None) -> None: ...
 
 
 class Job:
@@ -123,7 +112,9 @@ class EngineClient:
                  steps: int = DEFAULT_STEPS):
         self.engine = Engine.of(model)
         self.model = model
-        self.slots, self.steps = slots, steps
+        self.slots = validate.integer(slots, "slots", 1)
+        self.steps = validate.integer(steps, "steps", 1, validate.INT32_MAX,
+                                      "the loop counts iterations in int32")
         self.capacity = defaults["cache_size"]
         self.auto: ServingAuto | None = None   # schedule "auto" (serving_auto.py)
         if defaults["schedule"] == AUTO:
@@ -144,7 +135,6 @@ class EngineClient:
         self.thread = threading.Thread(target=self._work, name="packed-ss-decoder", daemon=True)
         self.draining = False
         self.cancelled = 0   # requests whose client left before the decode finished
-        self.observer = Observer()
         self.warm_s = 0.0
         self.programs = 0
         self.loaded = 0   # programs read from disk by `warm`
@@ -154,6 +144,9 @@ class EngineClient:
         # Told on the decoder thread when a warm-up there ends (None: ready; else its error).
         self.on_ready: Callable[[BaseException | None], None] = lambda error: None
         self._plan: tuple[list[int], list[int]] | None = None
+        self.metrics = Metrics(lambda: self.queued, lambda: self.busy_slots, self.slots)
+        self.metrics.schedule_in_use(self.label, None if self.auto is None else
+                                     self.auto.summary["predicted_tokens_per_s"])
 
     @property
     def label(self) -> str:
@@ -270,9 +263,12 @@ class EngineClient:
         self.jobs.put(None)
         self.thread.join(timeout=timeout)
 
-    def submit(self, job: Job) -> None:
+    def submit(self, choices: list[Request], score=None, streamed: bool = False) -> Job:
+        """A request's checked choices, queued for the decoder thread (on the event loop:
+        its items come back there): its `Job`."""
         if self.draining:
             raise Draining()
+        job = Job(choices, asyncio.get_running_loop(), score, streamed)
         self.live.add(job)
         # A warm-up that failed since the check above may have aborted every live job
         # before this one was added: no decoder will ever take it.
@@ -280,6 +276,7 @@ class EngineClient:
             self.live.discard(job)
             raise Draining()
         self.jobs.put(job)
+        return job
 
     def ended(self, job: Job) -> None:
         self.live.discard(job)
@@ -455,7 +452,7 @@ class EngineClient:
         self._refused.clear()
         self.engine.forget(lambda key: getattr(key.program, "shape", None) != old)
         self.auto.moved(choice)
-        self.observer.schedule_in_use(self.label, choice.predicted_tokens_per_s)
+        self.metrics.schedule_in_use(self.label, choice.predicted_tokens_per_s)
 
     @property
     def running(self) -> bool:
@@ -503,7 +500,7 @@ class EngineClient:
             self._close(choice, error)
             return
         self._put(choice, choice.chunker.last(result), scores)
-        self.observer.finished(result, job.first_token_s, time.perf_counter() - job.submitted)
+        self.metrics.finished(result, job.first_token_s, time.perf_counter() - job.submitted)
         if self.auto is not None:
             self.auto.finished(result)
         self._close(choice, None)
@@ -521,7 +518,7 @@ class EngineClient:
         job = choice.job
         if job.first_token_s is None and chunk.tokens:
             job.first_token_s = time.perf_counter() - job.submitted
-            self.observer.first_token(job.first_token_s)
+            self.metrics.first_token(job.first_token_s)
         job.put((choice.index, chunk, scores))
 
     def _close(self, choice: Choice, error: Exception | None) -> None:
@@ -545,7 +542,7 @@ class EngineClient:
         """A job ended early ("cancelled": its client left; "error"): each of its choices
         still open ends so (the metrics count choices), the job once."""
         for _ in range(job.open):
-            self.observer.ended(outcome)
+            self.metrics.ended(outcome)
         if outcome == "cancelled":   # after the metrics: /health's count lags theirs
             self.cancelled += 1
         job.open, job.finished = 0, True

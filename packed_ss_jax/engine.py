@@ -31,6 +31,7 @@ from . import (batched, executables, families, options as options_lib, programs,
 from .options import Batch, DecodeOptions, Program, Request
 from .programs import Key
 from .results import DecodeResult, of_outcome
+from .validate import INT32_MAX
 
 
 class Prefix(NamedTuple):
@@ -82,6 +83,15 @@ def to_host(out):
     from jax.experimental import multihost_utils
 
     return multihost_utils.process_allgather(out, tiled=True)
+
+
+def _slots_in(where, slots: int) -> list[int]:
+    """Slot indices of a decode state of `slots` slots: the scheduler's own, so one
+    outside is a bug (a ValueError, not the caller's InputError)."""
+    bad = [w for w in where if not 0 <= w < slots]
+    if bad:
+        raise ValueError(f"slots {bad} outside the state's {slots}")
+    return list(where)
 
 
 def _slot(program: Program) -> Program:
@@ -260,9 +270,6 @@ class Engine:
         return {**stops.limits(None, self.model.config.vocab_size, 1, None, ()),
                 "temperature": np.float32(1), "top_p": np.float32(1)}
 
-    def _slot_index(self, value, slots: int):
-        return self.place(np.int32(validate.integer(value, "slot", 0, slots - 1)))
-
     def slots(self, program: Program, slots: int):
         """A decode state of `slots` empty slots for `program`'s requests (each one
         stopped, so `generate` leaves it as it is until `insert` fills it)."""
@@ -299,7 +306,7 @@ class Engine:
         program, slots = prefix.requests[0].program, int(state.done.shape[0])
         rows = int(prefix.state.done.shape[0])
         at = np.full(rows, slots, np.int32)   # padding rows name no slot: dropped
-        at[: len(where)] = [validate.integer(w, "slot", 0, slots - 1) for w in where]
+        at[: len(where)] = _slots_in(where, slots)
         at = self.place(at, rows)
         exe, _ = self.compile(Key("insert", _slot(program), slots, rows),
                               self._functions(program, slots).insert, state, prefix.state, at,
@@ -311,8 +318,9 @@ class Engine:
         early once every slot has stopped or, with `eager`, once a slot running now has
         stopped. Returned as soon as the launch is dispatched (device arrays)."""
         slots = int(state.done.shape[0])
-        k = self.place(np.int32(validate.integer(k, "k", 0, validate.INT32_MAX,
-                                                 "the loop counts iterations in int32")))
+        if not 0 <= k <= INT32_MAX:   # a bug of the caller, which checks its k
+            raise ValueError(f"k = {k}: the loop counts iterations in int32")
+        k = self.place(np.int32(k))
         eager = self.place(np.bool_(eager))
         exe, _ = self.compile(Key("generate", _slot(program), slots),
                               self._functions(program, slots).generate, self.model.params,
@@ -324,7 +332,7 @@ class Engine:
         its outcome is its output so far (a request ended on the host: a stop text, a
         client gone)."""
         slots = int(state.done.shape[0])
-        slot = self._slot_index(slot, slots)
+        slot = self.place(np.int32(_slots_in([slot], slots)[0]))
         exe, _ = self.compile(Key("halt", _slot(program), slots),
                               self._functions(program, slots).halt, state, slot, donate=(0,))
         return exe(state, slot)

@@ -55,14 +55,6 @@ class Family:
     # (schedule, width, branches) -> the rows of each call of one loop iteration.
     iteration_rows: Callable[..., tuple[int, ...]]
 
-    def width(self, schedule: str, requested: int) -> int:
-        """The program's width: the request's, or 1 for the one-token reference."""
-        return 1 if schedule == self.reference else requested
-
-    def window(self, width: int) -> int:
-        """W, the speculative width (drafts per iteration), of a program's width."""
-        return width - 1 if self.width_counts_x else width
-
 
 NEMOTRON = Family(
     name="nemotron", title="Nemotron-Labs-Diffusion", model_type=nemotron_config.MODEL_TYPE,

@@ -123,7 +123,8 @@ def of_outcome(model, family, request: Request, out: dict, wall_s: float,
     if cut is not None:
         tokens, text, stop_at = cut
         finish = "stop"
-    W = family.window(p.width)
+    # W, the drafts per iteration: Nemotron's width B counts the verified token x too.
+    W = p.width - 1 if family.width_counts_x else p.width
     widths = {family.width_name: p.width}
     return DecodeResult(
         tokens=tokens, nfe=int(out["nfe"]), iterations=iters,

@@ -170,9 +170,8 @@ def cut_text(decode, tokens: list[int], strings) -> tuple[list[int], str, int] |
     return tokens[:lo], text[:end], start
 
 
-def holdback(text: str, strings) -> int:
-    """Characters at the end of `text` that may be the beginning of a stop string, so a
-    stream must not show them yet."""
+def _holdback(text: str, strings) -> int:
+    """Characters at the end of `text` that may be the beginning of a stop string."""
     keep = 0
     for s in strings:
         for n in range(min(len(s) - 1, len(text)), keep, -1):
@@ -180,3 +179,12 @@ def holdback(text: str, strings) -> int:
                 keep = n
                 break
     return keep
+
+
+def shown(text: str, strings) -> int | None:
+    """How many leading characters of a stream's `text` may be shown: all but an end
+    that may begin a stop string; None once a stop string is in it (the output ends
+    there, which only the whole decode's text settles)."""
+    if find_text(text, strings) is not None:
+        return None
+    return len(text) - _holdback(text, strings)

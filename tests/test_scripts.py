@@ -291,7 +291,7 @@ def test_call_path_of_a_decode(capsys):
     from tools import call_path
 
     out = call_path.report("decode", call_path.decode_path(ps.load("nld-tiny")))
-    assert out["up"] == [] and out["crossings"] <= 22, capsys.readouterr().out
+    assert out["up"] == [] and out["crossings"] <= 12, capsys.readouterr().out
     modules = set(out["modules"])
     assert {"packed_ss_jax.api", "packed_ss_jax.options", "packed_ss_jax.engine",
             "packed_ss_jax.results"} <= modules

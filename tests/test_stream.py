@@ -6,7 +6,7 @@ import pytest
 
 import packed_ss_jax as ps
 from packed_ss_jax import families, stops
-from packed_ss_jax.detokenize import Detokenizer
+from packed_ss_jax.chunks import Detokenizer
 from packed_ss_jax.scheduler import Streaming
 from test_chunked import CACHE, LENGTH, MODELS, PROMPT, WIDTH
 
@@ -113,10 +113,12 @@ def test_stop_strings_across_token_boundaries():
     assert stop in chunks[-1].text and stop[0] not in "".join(c.text for c in chunks[:-1])[first:]
 
 
-def test_holdback_and_find():
-    assert stops.holdback("abc\n", ["\n\n"]) == 1
-    assert stops.holdback("abc", ["\n\n", "bcd"]) == 2
-    assert stops.holdback("abc", ["x"]) == 0
+def test_shown_and_find():
+    assert stops.shown("abc\n", ["\n\n"]) == 3       # the "\n" may begin a stop: held
+    assert stops.shown("abc", ["\n\n", "bcd"]) == 1   # "bc" may begin "bcd"
+    assert stops.shown("abc", ["x"]) == 3
+    assert stops.shown("abc", []) == 3
+    assert stops.shown("a\n\nb", ["\n\n"]) is None  # a stop is in it: the output ends there
     assert stops.find_text("a STOP b END", ["END", "STOP"]) == (2, 6)
     assert np.asarray(stops.table(None, 10, 1, [[2, 3]])["stop_len"]).tolist()[:3] == [2, 1, 0]
 

@@ -5,8 +5,9 @@ validated on the event loop (formats.py), prepared on a small thread pool (worke
 chat template rendered, the prompt tokenized and its length checked, no JAX work), then
 submitted to the engine client (packed_ss_jax/client.py), whose one decoder thread runs
 every choice in a slot of one batched decode state: no request compiles, and none can
-hold the event loop. app.py holds the routes, startup and shutdown, errors.py the error
-bodies, metrics.py /metrics, run.py the socket, serving and the drain on SIGTERM/SIGINT.
+hold the event loop; the client keeps the metrics /metrics renders (serving_metrics.py).
+app.py holds the routes, startup and shutdown, errors.py the error bodies, run.py the
+socket, serving and the drain on SIGTERM/SIGINT.
 What clients see: docs/serving.md; the limits: docs/hostile_input.md.
 """
 

@@ -21,7 +21,6 @@ from . import errors, formats
 from .errors import APIError, Scrubber
 from .formats import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
 from .http_guard import Guard, Limits, error_body
-from .metrics import Metrics
 from .worker import Preparer
 
 log = logging.getLogger(__name__)
@@ -47,9 +46,6 @@ def create_app(model, name: str, *, schedule: str = "packed", width: dict | None
         max_model_len = min(model.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     defaults = dict(schedule=schedule, **(width or {}), cache_size=max_model_len)
     service = Service(model, name, defaults, limits, slots, steps, max_queue, warm, on_ready)
-    auto = None if service.decoder.auto is None else service.decoder.auto.summary
-    service.gauges.schedule_in_use(
-        service.decoder.label, None if auto is None else auto["predicted_tokens_per_s"])
     docs = dict(docs_url="/docs", redoc_url=None, openapi_url="/openapi.json") if limits.docs \
         else dict(docs_url=None, redoc_url=None, openapi_url=None)
     app = FastAPI(title="packed-ss", lifespan=service.lifespan,
@@ -60,7 +56,7 @@ def create_app(model, name: str, *, schedule: str = "packed", width: dict | None
                            allow_headers=["authorization", "content-type"])
     app.state.decoder, app.state.preparer = service.decoder, service.preparer
     app.state.deadline = service.deadline
-    app.state.auto = auto
+    app.state.auto = None if service.decoder.auto is None else service.decoder.auto.summary
     app.add_api_route("/health", service.health, methods=["GET"])
     app.add_api_route("/metrics", service.metrics, methods=["GET"])
     app.add_api_route("/v1/models", service.models, methods=["GET"])
@@ -91,8 +87,6 @@ class Service:
             self.decoder.warm()
         self.on_ready = on_ready
         self.decoder.on_ready = self._ready
-        self.gauges = self.decoder.observer = Metrics(
-            lambda: self.decoder.queued, lambda: self.decoder.busy_slots, slots)
         self.expired = asyncio.Event()   # set at the drain's deadline (on the event loop)
         self.preparer = Preparer(self.decoder, limits, self.expired)
         self.scrub = Scrubber(model, name)
@@ -168,7 +162,7 @@ class Service:
         return JSONResponse(body, status_code=503) if status in ("starting", "failed") else body
 
     async def metrics(self):
-        m = self.gauges
+        m = self.decoder.metrics
         return Response(m.render(), media_type=m.content_type)
 
     async def tokenizer_info(self):
@@ -205,15 +199,13 @@ class Service:
 
     async def completions(self, body: CompletionBody, http: Request):
         self._check_model(body)
-        options, max_tokens_field = formats.completion_options(body)
-        form = formats.Completion(self.name, _usage_asked(body), options["score"], self.decode)
-        return await self._answer(form, options, max_tokens_field, body.stream, http)
+        return await self._answer(formats.completion(body, self.name, self.decode),
+                                  body.stream, http)
 
     async def chat_completions(self, body: ChatBody, http: Request):
         self._check_model(body)
-        options, max_tokens_field = formats.chat_options(body)
-        form = formats.Chat(self.name, _usage_asked(body), options["score"], self.decode)
-        return await self._answer(form, options, max_tokens_field, body.stream, http)
+        return await self._answer(formats.chat(body, self.name, self.decode), body.stream,
+                                  http)
 
     def _check_queue(self) -> None:
         """Past --max-queue requests waiting for a slot, a 503 telling the client when to
@@ -232,16 +224,14 @@ class Service:
 
     # --- answering ------------------------------------------------------------------------------
 
-    async def _answer(self, form, options: dict, max_tokens_field: str, streaming: bool,
-                      http: Request):
+    async def _answer(self, asked: formats.Asked, streaming: bool, http: Request):
         self._check_queue()
-        score = options.pop("score")
-        choices = await self.preparer(options, max_tokens_field)
-        job = Job(choices, asyncio.get_running_loop(), score, streaming)
+        choices = await self.preparer(asked)
         try:
-            self.decoder.submit(job)
+            job = self.decoder.submit(choices, asked.score, streaming)
         except Draining:
             raise errors.draining() from None
+        form = asked.form
         if streaming:  # a client leaving ends the response's iteration (`_events`)
             return StreamingResponse(self._events(job, form), media_type="text/event-stream")
         watch = asyncio.create_task(_watch_disconnect(http, job))
@@ -297,10 +287,6 @@ class Service:
     def _end(self, job: Job) -> None:
         job.cancelled.set()
         self.decoder.ended(job)
-
-
-def _usage_asked(body: formats.Body) -> bool:
-    return body.stream_options is not None and body.stream_options.include_usage
 
 
 async def _watch_disconnect(http: Request, job: Job) -> None:

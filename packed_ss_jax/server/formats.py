@@ -179,10 +179,25 @@ class Score:
     only: bool = False
 
 
-def completion_options(body: CompletionBody) -> tuple[dict, str]:
-    """(what the request asks: its `DecodeOptions` ("options"), its choices ("n"), its
-    prompt ("prompt", or "prompts") and what to score ("score"); the field that sets
-    max_new_tokens)."""
+@dataclasses.dataclass
+class Asked:
+    """What one completion or chat request asks of the decoder, read from its body: its
+    options, its choices, its prompt (or prompts, or messages and template keywords),
+    what to score, the field that sets max_new_tokens, and the shape of its replies."""
+
+    options: DecodeOptions
+    n: int
+    form: _Form
+    max_tokens_field: str = "max_tokens"
+    prompt: Any = None                 # one prompt: text or ids
+    prompts: list | None = None        # a batch of prompts
+    messages: list | None = None       # chat
+    chat_template_kwargs: dict | None = None
+    score: Score | None = None
+
+
+def completion(body: CompletionBody, name: str, decode) -> Asked:
+    """What a /v1/completions body asks (`name`: the model id; `decode`: ids -> text)."""
     refuse_unused(body)
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     if max_tokens == 0 and not body.echo:
@@ -194,37 +209,42 @@ def completion_options(body: CompletionBody) -> tuple[dict, str]:
         if body.echo and body.stream:
             raise APIError(400, "echo is not supported with stream: true on this server "
                                 "(ask without streaming)", param="echo")
-    asked = _options(body, max(max_tokens, 1))
+    asked = Asked(_options(body, max(max_tokens, 1)), body.n,
+                  Completion(name, _usage_asked(body), score, decode), score=score)
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) * body.n > MAX_CHOICES:
             raise APIError(400, f"{len(prompt)} prompts x n = {body.n} is more than the "
                                 f"{MAX_CHOICES} choices one request may have", param="prompt")
-        return {**asked, "prompts": prompt, "score": score}, "max_tokens"
-    return {**asked, "prompt": prompt, "score": score}, "max_tokens"
+        asked.prompts = prompt
+    else:
+        asked.prompt = prompt
+    return asked
 
 
-def chat_options(body: ChatBody) -> tuple[dict, str]:
-    """(what the request asks: its `DecodeOptions` ("options"), its choices ("n"), its
-    messages and template keywords ("messages", "chat_template_kwargs") and what to score
-    ("score"); the field that sets max_new_tokens. Without one, the options'
-    max_new_tokens is None: what fits, set once the prompt is tokenized.)"""
+def chat(body: ChatBody, name: str, decode) -> Asked:
+    """What a /v1/chat/completions body asks. Without a max_completion_tokens or
+    max_tokens, the options' max_new_tokens is None: what fits, set once the prompt is
+    tokenized."""
     refuse_unused(body)
     field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    asked = _options(body, body.max_completion_tokens or body.max_tokens)
-    asked["score"] = None
+    options = _options(body, body.max_completion_tokens or body.max_tokens)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    if body.logprobs:
-        asked["score"] = Score(body.top_logprobs or 0)
-    asked["messages"] = [_joined(m.model_dump(exclude_none=True)) for m in body.messages]
-    for i, m in enumerate(asked["messages"]):
+    score = Score(body.top_logprobs or 0) if body.logprobs else None
+    messages = [_joined(m.model_dump(exclude_none=True)) for m in body.messages]
+    for i, m in enumerate(messages):
         _check_json_strings(m, f"messages[{i}]", "messages")
     if body.chat_template_kwargs:
         _check_json_strings(body.chat_template_kwargs, "chat_template_kwargs",
                             "chat_template_kwargs")
-        asked["chat_template_kwargs"] = body.chat_template_kwargs
-    return asked, field
+    return Asked(options, body.n, Chat(name, _usage_asked(body), score, decode), field,
+                 messages=messages, chat_template_kwargs=body.chat_template_kwargs or None,
+                 score=score)
+
+
+def _usage_asked(body: Body) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
 
 
 def _joined(message: dict) -> dict:
@@ -234,9 +254,9 @@ def _joined(message: dict) -> dict:
     return message
 
 
-def _options(body: Body, max_tokens: int | None) -> dict:
+def _options(body: Body, max_tokens: int | None) -> DecodeOptions:
     """The request's `DecodeOptions` (the server sets the schedule, its width and the
-    cache) and its number of choices."""
+    cache)."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOPS:
         raise APIError(400, f"at most {MAX_STOPS} stop sequences, got {len(stop)}", param="stop")
@@ -245,10 +265,9 @@ def _options(body: Body, max_tokens: int | None) -> dict:
     temperature = 1.0 if body.temperature is None else float(body.temperature)
     # Without a seed, a fresh one: the same request sampled twice gives two samples.
     seed = secrets.randbelow(2**32) if body.seed is None else body.seed
-    options = DecodeOptions(max_new_tokens=max_tokens, temperature=temperature,
-                            top_p=None if body.top_p is None else float(body.top_p), seed=seed,
-                            stop_sequences=tuple(stop))
-    return {"options": options, "n": body.n}
+    return DecodeOptions(max_new_tokens=max_tokens, temperature=temperature,
+                         top_p=None if body.top_p is None else float(body.top_p), seed=seed,
+                         stop_sequences=tuple(stop))
 
 
 def _check_json_strings(value, where: str, param: str) -> None:

@@ -11,8 +11,9 @@ import dataclasses
 import threading
 
 from .. import api, chat
-from ..api import DecodeOptions, InputError, Request
+from ..api import InputError, Request
 from .errors import APIError, draining
+from .formats import Asked
 from .http_guard import Expired, Limits, within
 
 PREPARE_THREADS = 2      # requests rendered and tokenized at once, off the event loop
@@ -51,11 +52,9 @@ class Preparer:
                                                           thread_name_prefix="packed-ss-prepare")
         self._lock, self._active = threading.Lock(), 0
 
-    async def __call__(self, asked: dict, max_tokens_field: str) -> list[Request]:
-        """`asked` (formats.completion_options, chat_options): the request's
-        `DecodeOptions` ("options"), its choices ("n") and its prompt ("prompt", "prompts")
-        or messages ("messages", "chat_template_kwargs")."""
-        return await self._off_loop(self._prepare, asked, max_tokens_field)
+    async def __call__(self, asked: Asked) -> list[Request]:
+        """The checked request of each of `asked`'s choices."""
+        return await self._off_loop(self._prepare, asked)
 
     async def _off_loop(self, fn, *args):
         """`fn(*args)` on the pool, under the prepare time limit and the drain."""
@@ -77,27 +76,30 @@ class Preparer:
         """Takes no more requests; those waiting for a thread are dropped."""
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def _prepare(self, asked: dict, max_tokens_field: str) -> list[Request]:
+    def _prepare(self, asked: Asked) -> list[Request]:
         with self._lock:
             self._active += 1
         try:
-            return self._checked(asked, max_tokens_field)
+            return self._checked(asked)
         finally:
             with self._lock:
                 self._active -= 1
 
-    def _checked(self, asked: dict, max_tokens_field: str) -> list[Request]:
+    def _checked(self, asked: Asked) -> list[Request]:
         """The request of each of the `n` choices: one check, then choice i with the
         request's seed + i (mod 2**32). A batch of prompts: each prompt's choices, in
         order."""
-        if "prompts" in asked:
-            rest = {k: v for k, v in asked.items() if k != "prompts"}
-            return [r for prompt in asked["prompts"]
-                    for r in self._checked({**rest, "prompt": prompt}, max_tokens_field)]
-        field = "messages" if "messages" in asked else "prompt"
-        options: DecodeOptions = asked["options"]
+        if asked.prompts is not None:
+            return [r for prompt in asked.prompts
+                    for r in self._checked(dataclasses.replace(asked, prompts=None,
+                                                               prompt=prompt))]
+        field = "messages" if asked.messages is not None else "prompt"
+        options, max_tokens_field = asked.options, asked.max_tokens_field
         try:
-            ids = self._prompt_ids(asked, field)
+            if asked.messages is not None:
+                ids = self._prompt_ids(field, asked.messages, asked.chat_template_kwargs)
+            else:
+                ids = self._prompt_ids(field, asked.prompt)
             for stop in options.stop_sequences:
                 if len(stop) > self.max_stop_chars:  # before the tokenizer sees it
                     raise APIError(400, f"a stop string of {len(stop)} characters is longer "
@@ -111,35 +113,36 @@ class Preparer:
         except InputError as e:   # a chat.TemplateError among them
             raise APIError(400, str(e), param=_param(e, field, max_tokens_field)) from None
         return [first] + [dataclasses.replace(first, seed=(first.seed + i) % api.SEED_LIMIT)
-                          for i in range(1, asked["n"])]
+                          for i in range(1, asked.n)]
 
-    def _prompt_ids(self, asked: dict, field: str, special: bool = True) -> list[int]:
-        """The prompt's token ids: the chat template rendered once, the text tokenized
-        once (`special`: with the tokenizer's special tokens, as a completion's prompt)."""
+    def _prompt_ids(self, field: str, value, chat_template_kwargs=None,
+                    special: bool = True) -> list[int]:
+        """The ids of a prompt (`field` "prompt") or of messages (`field` "messages"): the
+        chat template rendered once, the text tokenized once (`special`: with the
+        tokenizer's special tokens, as a completion's prompt)."""
         if field == "messages":
-            return api.chat_prompt(self.model, asked["messages"],
-                                   asked.get("chat_template_kwargs"),
+            return api.chat_prompt(self.model, value, chat_template_kwargs,
                                    max_chars=min(self.max_chars, chat.MAX_CHARS))
-        prompt = asked["prompt"]
-        if isinstance(prompt, str) and len(prompt) > self.max_chars:
-            raise APIError(400, f"the prompt has {len(prompt)} characters: more than this "
+        if isinstance(value, str) and len(value) > self.max_chars:
+            raise APIError(400, f"the prompt has {len(value)} characters: more than this "
                                 f"server's limit of {self.context} tokens (--max-model-len) can "
                                 "hold", param="prompt", code="context_length_exceeded")
-        return api.prompt_ids(self.model, prompt, add_special_tokens=special)
+        return api.prompt_ids(self.model, value, add_special_tokens=special)
 
     async def tokenize(self, body) -> list[int]:
         """The ids of a /tokenize body (a prompt, or messages through the chat template),
         off the event loop, under the prepare time limit."""
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give a prompt or messages (one of them)", param="prompt")
-        asked = ({"prompt": body.prompt} if body.prompt is not None else
-                 {"messages": [m.model_dump(exclude_none=True) for m in body.messages],
-                  "chat_template_kwargs": body.chat_template_kwargs})
-        field = "prompt" if body.prompt is not None else "messages"
+        if body.prompt is not None:
+            field, value = "prompt", body.prompt
+        else:
+            field, value = "messages", [m.model_dump(exclude_none=True) for m in body.messages]
 
         def ids():
             try:
-                return self._prompt_ids(asked, field, body.add_special_tokens)
+                return self._prompt_ids(field, value, body.chat_template_kwargs,
+                                        body.add_special_tokens)
             except InputError as e:
                 raise APIError(400, str(e), param=field) from None
 

@@ -1,4 +1,5 @@
-"""`/metrics` in Prometheus' text format (prometheus_client), one registry per app: the
+"""A server's instruments, kept by its engine client (client.py) and rendered as
+`/metrics` in Prometheus' text format (prometheus_client), one registry per client: the
 requests by how they ended, the tokens generated and the forward calls that made them
 (their ratio is the tokens per NFE), the iterations by tokens kept (the accepted-length
 histogram), the schedule (and `auto`'s prediction), the queue and the busy slots, and
@@ -16,7 +17,8 @@ _TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 
 
 class Metrics:
-    """The server's instruments; `queued` and `busy` are read when /metrics is asked."""
+    """The instruments of one engine client; `queued` and `busy` are read when /metrics is
+    asked."""
 
     content_type = CONTENT_TYPE_LATEST
 
