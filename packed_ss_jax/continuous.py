@@ -29,9 +29,10 @@ from .scheduler import Scheduler
 @dataclasses.dataclass
 class Stats:
     wall_s: float          # the whole queue, first call to last result (compiling excluded)
-    loop_s: float          # in the batched loop program, launch to its results on the host
-    refill_s: float        # taking the stopped slots out and refilling them (outcome,
-                           # prefill, insert), the same
+    loop_s: float          # launch to its results on the host (a refill's prefill and
+                           # insert, dispatched before it, run first on the device)
+    refill_s: float        # taking the stopped slots out (their outcome read back) and
+                           # dispatching the refill (prefill, insert)
     round_trips: int       # times the loop handed control back to the host
     refills: int           # prompts started in a refill (not in the first batch)
     steps: int             # batched loop iterations (each one step of every running slot)
@@ -76,10 +77,11 @@ class _Clock:
         return time.perf_counter() - self.t0 - compiling
 
 
-def _first_calls(prefix) -> int:
-    """The batched forward calls a prefill made (one, or two when a sampled draft
-    follows)."""
-    return int(np.max(to_host(prefix.state.nfe)))
+def _first_calls(prefills) -> int:
+    """The batched forward calls the prefills made (one each, or two when a sampled draft
+    follows), from their rows' NFE counts. A refill's are read at the end: reading them
+    as it is made would hold the next launch until that prefill is done."""
+    return sum(int(np.max(nfe)) for nfe in to_host(prefills))
 
 
 def decode_queue(engine: Engine, batch: Batch, slots: int,
@@ -94,7 +96,9 @@ def decode_queue(engine: Engine, batch: Batch, slots: int,
     s = Scheduler(engine, batch.program, slots)
     queue = collections.deque(range(len(members)))
     head = [queue.popleft() for _ in range(min(slots, len(queue)))]
-    forward = _first_calls(s.admit([members[i] for i in head], head))
+    # (the first prefill's state may become the slots' state, donated to the first launch)
+    forward = _first_calls([s.admit([members[i] for i in head], head).state.nfe])
+    prefills = []   # the refills' NFE counts, read at the end
     outs: list = [None] * len(members)
     loop_s = refill_s = 0.0
     trips = refills = steps = calls = 0
@@ -113,9 +117,10 @@ def decode_queue(engine: Engine, batch: Batch, slots: int,
             longest = max(len(members[i].prompt) for i in new)
             prefix = s.admit([members[i] for i in new], new, _size(len(new), slots),
                              refill_bucket(longest, capacity))
-            forward += _first_calls(prefix)
+            prefills.append(prefix.state.nfe)
             calls, refills = calls + 1, refills + len(new)
             refill_s += clock.seconds()
     compile_s, wall = engine.compile_s - compiled, whole.seconds()
+    forward += _first_calls(prefills)
     return ([s.result(x, wall, compile_s) for x in outs],
             Stats(wall, loop_s, refill_s, trips, refills, steps, calls, forward))
