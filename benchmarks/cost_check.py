@@ -4,7 +4,7 @@ what `schedule="auto"` would choose there.
 Random weights of the shape (a call's time does not depend on their values) are
 calibrated as `auto` calibrates a loaded model, on a coarser grid that fits a short GPU
 step (the forward at `ROWS` rows over the one buffer size the timed calls read, where
-`auto`'s own grid is cost.ROWS over cost.SLOTS); then:
+`auto`'s own grid is cost.ROWS over cost.POSITIONS); then:
 
 1. each call of `--measured` (the table `benchmarks.gpu_timing` prints: AR's row,
    Linear-SS's, Packed-SS's and Quadratic-SS's calls at each B) next to the cost model's
@@ -51,7 +51,7 @@ def _arguments(argv) -> argparse.Namespace:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="8B", choices=sorted(gpu_timing.SHAPES))
     p.add_argument("--dtype", default=None, help="default bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--cache", type=int, default=1024, help="KV slots each call attends over")
+    p.add_argument("--cache", type=int, default=1024, help="KV positions each call attends over")
     p.add_argument("--measured", default=None, help="benchmarks.gpu_timing's printed table")
     p.add_argument("--acceptance", default=str(ACCEPTANCE),
                    help="a benchmarks.auto --json run (its nld-tiny acceptance)")
@@ -96,10 +96,10 @@ def main(argv=None) -> int:
     c = gpu_timing.config(args.shape, dtype)
     params = model_lib.unstack_layers(model_lib.init_params(c, jax.random.PRNGKey(0)))
     model = Model(config=c, params=params, source=f"random {args.shape}")
-    slots = args.cache + 128   # gpu_timing's buffer: the cache and one call's headroom
+    positions = args.cache + 128   # gpu_timing's buffer: the cache and one call's headroom
     t0 = time.perf_counter()
-    model_cost = cost.calibrate(model, rows=tuple(r for r in ROWS if r < slots),
-                                slots=(slots,), repeat=args.repeat)
+    model_cost = cost.calibrate(model, rows=tuple(r for r in ROWS if r < positions),
+                                positions=(positions,), repeat=args.repeat)
     print(f"device: {getattr(dev, 'device_kind', dev.platform)}, {args.shape} {dtype}, "
           f"cache {args.cache}: calibrated in {time.perf_counter() - t0:.1f} s\n")
     print("| rows | ms / call (calibration) |\n|---|---|")
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
         print("\n| call | rows | measured ms | predicted ms | predicted / measured |\n"
               "|---|---|---|---|---|")
         for m in timed:
-            p = 1e3 * model_cost.call_s(m["rows"], slots)
+            p = 1e3 * model_cost.call_s(m["rows"], positions)
             print(f"| {m['call']} | {m['rows']} | {m['ms']:.3f} | {p:.3f} | {p / m['ms']:.2f} |")
     else:
         print(f"\n(no measured calls at cache {args.cache} in {args.measured}: step 1's table)")
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     for cand, rate in sorted(rates.items(), key=lambda kv: kv[0].label(NEMOTRON)):
         cells = []
         for n in BATCHES:
-            s = sum(model_cost.call_s(n * r, slots)
+            s = sum(model_cost.call_s(n * r, positions)
                     for r in NEMOTRON.iteration_rows(cand.schedule, cand.width, cand.branches))
             speed = n * rate / s
             cells.append(f"{1e3 * s:.3f} | {speed:.0f}")

@@ -25,7 +25,7 @@ from .shape import Shape
 
 PRIOR_ITERATIONS = 256   # what a calibration weighs against the running decodes
 LENGTHS_KEPT = 256       # the decodes' iterations a candidate's `busy` is drawn from
-_COUNT_MAX = 2 ** 31 - 1  # slots and iterations are int32 on the device
+_COUNT_MAX = 2 ** 31 - 1  # positions and iterations are int32 on the device
 
 Candidate = Shape   # what `auto` chooses among: a schedule at a width with k branches
 
@@ -46,7 +46,7 @@ def busy(lengths, sequences: int) -> float:
 class Tally:
     """Decodes seen of one candidate: their tokens, loop iterations (the first call
     included) and summed accepted-length histogram; a calibration's also their decoder
-    seconds (each decoded alone), the KV slots their calls read, each one's iterations
+    seconds (each decoded alone), the KV positions their calls read, each one's iterations
     (how far apart the rows of a batch finish), and the seconds of all decoded as one
     batch."""
 
@@ -54,20 +54,20 @@ class Tally:
     iterations: float = 0.0
     accept_hist: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
     seconds: float = 0.0
-    slots: int = 0
+    positions: int = 0
     lengths: tuple[int, ...] = ()
     batch_s: float = 0.0
 
     @property
     def iteration_s(self) -> float | None:
         """Measured seconds per iteration of one sequence (None: not timed)."""
-        return self.seconds / self.iterations if self.seconds > 0 and self.slots else None
+        return self.seconds / self.iterations if self.seconds > 0 and self.positions else None
 
     @property
     def batch_iteration_s(self) -> float | None:
         """Measured seconds per iteration of the batch of all `lengths` decoded together
         (it runs the longest's iterations; None: not timed)."""
-        timed = self.batch_s > 0 and self.slots and self.lengths and max(self.lengths) > 0
+        timed = self.batch_s > 0 and self.positions and self.lengths and max(self.lengths) > 0
         return self.batch_s / max(self.lengths) if timed else None
 
     def busy(self, sequences: int) -> float:
@@ -151,7 +151,7 @@ class AcceptanceModel:
 
     def prior_json(self) -> list:
         return [[c.to_json(), t.tokens, t.iterations, t.accept_hist.tolist(),
-                 {"seconds": t.seconds, "slots": t.slots, "lengths": list(t.lengths),
+                 {"seconds": t.seconds, "positions": t.positions, "lengths": list(t.lengths),
                   "batch_s": t.batch_s}]
                 for c, t in sorted(self.prior.items())]
 
@@ -182,12 +182,15 @@ def _timing(timing: dict | None = None, *rest) -> dict:
     if timing is None:
         return {}
     if not isinstance(timing, dict) or not isinstance(timing["lengths"], list):
-        raise ValueError("a timing record that is not {seconds, slots, lengths, batch_s}")
-    seconds, slots = float(timing["seconds"]), int(timing["slots"])
+        raise ValueError("a timing record that is not {seconds, positions, lengths, batch_s}")
+    # "slots" in files written before the KV positions had their own name
+    positions = timing["positions"] if "positions" in timing else timing["slots"]
+    seconds, positions = float(timing["seconds"]), int(positions)
     batch_s = float(timing["batch_s"])
     lengths = tuple(int(n) for n in timing["lengths"])
     if not (math.isfinite(seconds) and seconds >= 0 and math.isfinite(batch_s)
-            and batch_s >= 0 and 0 <= slots <= _COUNT_MAX
+            and batch_s >= 0 and 0 <= positions <= _COUNT_MAX
             and all(0 <= n <= _COUNT_MAX for n in lengths)):
-        raise ValueError(f"a timing of {seconds} s (a batch {batch_s} s) over {slots} slots")
-    return {"seconds": seconds, "slots": slots, "lengths": lengths, "batch_s": batch_s}
+        raise ValueError(f"a timing of {seconds} s (a batch {batch_s} s) over {positions} "
+                         "positions")
+    return {"seconds": seconds, "positions": positions, "lengths": lengths, "batch_s": batch_s}

@@ -278,7 +278,7 @@ def decode(model, prompt: str | Sequence[int] | None = None, *,
                 string also wherever it occurs in the decoded text, across token
                 boundaries. The output ends at the earliest stop (stop included;
                 `result.stop_at` is where a stop string starts in `result.text`).
-    cache_size: KV slots for prompt + output (default: sized to the request); it is
+    cache_size: KV positions for prompt + output (default: sized to the request); it is
                 part of the compiled shape, so keep it fixed across calls.
     options:    a `DecodeOptions` (its width under one name, `width`) instead of the
                 keywords above.
@@ -435,7 +435,7 @@ def _for_prompts_of(checked: Checked, length: int, sized: bool, context: int) ->
         program = dataclasses.replace(program, capacity=min(need, context))
     if length + max_new > program.capacity:
         raise InputError(f"prompt_ids of length {length} + max_new_tokens ({max_new}) exceed "
-                         f"the cache ({program.capacity} slots)", "prompt_ids")
+                         f"the cache ({program.capacity} positions)", "prompt_ids")
     return program
 
 

@@ -1,11 +1,11 @@
-"""The functional KV cache: fixed-size buffers indexed by slot.
+"""The functional KV cache: fixed-size buffers indexed by position.
 
-The cache is `{"k", "v"}`, each a list with one `[kv_heads, slots, head_dim]` buffer per
+The cache is `{"k", "v"}`, each a list with one `[kv_heads, positions, head_dim]` buffer per
 layer (why this layout: docs/performance.md). The decoder commits a fixed number of
 candidate rows at `cache_len` and advances `cache_len` by the accepted count only:
-rejected rows stay in the buffer, invisible (a row sees slots `< cache_len` only), and
+rejected rows stay in the buffer, invisible (a row sees positions `< cache_len` only), and
 the next commit overwrites them. The buffer keeps one block of headroom past the last
-committed slot, since `dynamic_update_slice` clamps a start index that would run off the
+committed position, since `dynamic_update_slice` clamps a start index that would run off the
 end. On the CPU a bf16 cache is stored as its bits, in `uint16` buffers (`stored` /
 `loaded`), so that it is updated in place (docs/performance.md#precision).
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-SLOT_AXIS = 1
+POSITION_AXIS = 1
 # Backends whose XLA computes most 16-bit float operations in float32 (see module doc).
 WIDENING_BACKENDS = ("cpu",)
 
@@ -57,7 +57,7 @@ def empty(shape, dtype):
 
 
 def commit(cache, kv_rows, rows, start, after=None):
-    """Writes the kv rows `rows` (on SLOT_AXIS) into cache slots start, start+1, ...
+    """Writes the kv rows `rows` (on POSITION_AXIS) into cache positions start, start+1, ...
     (a functional update).
 
     `kv_rows` are the forward's new rows, in the cache's stored form (see module doc).
@@ -75,7 +75,7 @@ def commit(cache, kv_rows, rows, start, after=None):
         if new.dtype != buf.dtype:
             raise TypeError(f"kv rows of {new.dtype} cannot be committed to a cache stored "
                             f"as {buf.dtype}: the forward returns them in the cache's form")
-        picked = jnp.take(new, rows, axis=SLOT_AXIS)
-        return jax.lax.dynamic_update_slice_in_dim(buf, picked, start, axis=SLOT_AXIS)
+        picked = jnp.take(new, rows, axis=POSITION_AXIS)
+        return jax.lax.dynamic_update_slice_in_dim(buf, picked, start, axis=POSITION_AXIS)
 
     return jax.tree.map(write, cache, kv_rows)

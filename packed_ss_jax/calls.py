@@ -1,7 +1,7 @@
 """The call contract between a schedule and the model, shared by every family.
 
 A call is a row buffer: tokens, positions, a mask (row attends to row, among the new
-rows; every row also sees the cache slots the family marks visible) and which rows are
+rows; every row also sees the cache positions the family marks visible) and which rows are
 drafting rows (the draft-only adapter's switch). `run_call` puts one through the
 model's forward: one NFE.
 """
@@ -37,6 +37,6 @@ def prefill(prompt) -> Call:
 
 def run_call(m, params, call: Call, cache, visible, out_rows=None):
     """One NFE: `call` through the model's forward over the cache (`visible`: the number
-    of committed slots, or a [S] bool mask of the slots the rows may see)."""
+    of committed positions, or a [S] bool mask of the positions the rows may see)."""
     return m.forward(params, call.tokens, call.positions, call.mask, cache, visible,
                      call.draft_rows, out_rows)

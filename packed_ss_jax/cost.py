@@ -2,8 +2,8 @@
 predicted before it is run (tokens per second = tokens per call / seconds per call).
 
 `calibrate` times the model's forward at a grid of row counts and cache sizes;
-`CostModel.call_s(rows, slots)` interpolates between the points. The cache size is the
-buffer's, not the live length: a call attends over the whole buffer (the committed slots
+`CostModel.call_s(rows, positions)` interpolates between the points. The cache size is the
+buffer's, not the live length: a call attends over the whole buffer (the committed positions
 are masked, not sliced). `load_or_calibrate` keeps one calibration per device kind, JAX
 version, dtype and model shape (`calibration_id`) on disk and measures anew whatever it
 cannot trust. The grid, the folder and how close the predictions come:
@@ -32,7 +32,7 @@ from .calls import causal
 
 ENV = "PACKED_SS_COST_DIR"
 ROWS = (1, 8, 32, 128)      # the calibration's row counts
-SLOTS = (256, 2048)         # and cache sizes (capped at the model's context)
+POSITIONS = (256, 2048)         # and cache sizes (capped at the model's context)
 MIN_RUN_S = 0.02            # a timed loop of calls lasts about this long
 MAX_REPEAT = 4096           # calls in one timed loop at most
 RUNS = 5                    # timed loops per point: their median is kept
@@ -51,8 +51,8 @@ class CostModel:
 
     calibration_id: str
     rows: tuple[int, ...]
-    slots: tuple[int, ...]
-    seconds: tuple[tuple[float, ...], ...]   # [len(slots)][len(rows)]
+    positions: tuple[int, ...]
+    seconds: tuple[tuple[float, ...], ...]   # [len(positions)][len(rows)]
     calibration_s: float = 0.0               # what measuring it took
     spread: float = 0.0                      # the widest spread of a point's runs
     load: float | None = None                # load average per core when it was measured
@@ -62,22 +62,24 @@ class CostModel:
         return self.spread > UNSTABLE
 
     def __post_init__(self):
-        if (list(self.rows) != sorted(set(self.rows)) or list(self.slots) != sorted(set(self.slots))
-                or not self.rows or not self.slots or min(self.rows[0], self.slots[0]) < 1):
-            raise ValueError("rows and slots must be increasing positive integers")
-        if (len(self.seconds) != len(self.slots)
+        rows, positions = list(self.rows), list(self.positions)
+        if (rows != sorted(set(rows)) or positions != sorted(set(positions))
+                or not rows or not positions or min(rows[0], positions[0]) < 1):
+            raise ValueError("rows and positions must be increasing positive integers")
+        if (len(self.seconds) != len(self.positions)
                 or any(len(r) != len(self.rows) for r in self.seconds)
                 or not all(math.isfinite(s) and s > 0 for r in self.seconds for s in r)):
-            raise ValueError("seconds must be one positive number per (slots, rows) point")
+            raise ValueError("seconds must be one positive number per (positions, rows) point")
 
-    def call_s(self, rows: int, slots: int) -> float:
-        """Predicted seconds of one call of `rows` rows over a cache of `slots` slots
-        (past the grid, between the nearest point's and that scaled by the rows or slots:
+    def call_s(self, rows: int, positions: int) -> float:
+        """Predicted seconds of one call of `rows` rows over a cache of `positions` positions
+        (past the grid, between the nearest point's and that scaled by the rows or positions:
         `_between`)."""
-        by_slots = [_between(self.rows, r, rows) for r in self.seconds]
+        by_positions = [_between(self.rows, r, rows) for r in self.seconds]
         # Extended below the grid a line can fall under zero: no call is cheaper than the
         # cheapest one measured.
-        return max(_between(self.slots, by_slots, slots), min(min(r) for r in self.seconds))
+        return max(_between(self.positions, by_positions, positions),
+                   min(min(r) for r in self.seconds))
 
     def to_json(self) -> dict:
         # The file names the id "key" (its layout predates the name).
@@ -92,7 +94,7 @@ class CostModel:
         try:
             load = data.get("load")
             return cls(str(data["key"]), tuple(int(x) for x in data["rows"]),
-                       tuple(int(x) for x in data["slots"]),
+                       tuple(int(x) for x in _kv_positions(data)),
                        tuple(tuple(float(s) for s in r) for r in data["seconds"]),
                        float(data.get("calibration_s", 0.0)), float(data.get("spread", 0.0)),
                        None if load is None else float(load))
@@ -100,10 +102,16 @@ class CostModel:
             raise ValueError(f"a malformed cost calibration: {e}") from None
 
 
+def _kv_positions(record: dict):
+    """A record's KV positions: "positions", or "slots" as files written before the name
+    said (read as they are, not measured anew)."""
+    return record["positions"] if "positions" in record else record["slots"]
+
+
 def _between(xs: tuple[int, ...], ys, x: float) -> float:
     """Piecewise-linear interpolation of ys over xs at x, extended along the end
     segments; a single point is a constant. Past the points a call costs at least what
-    the nearest measured one did and at most that scaled by x (more rows or slots never
+    the nearest measured one did and at most that scaled by x (more rows or positions never
     cost less, nor more than in proportion): a line through two noisy points cannot
     carry a prediction further off than that."""
     if len(xs) == 1:
@@ -168,31 +176,31 @@ def run_times(call, params, tokens, cache, repeat: int = 1, runs: int = RUNS) ->
     return [took / n] + [timed(n) / n for _ in range(runs - 1)]
 
 
-def time_call(model, rows: int, slots: int, repeat: int = 1, runs: int = RUNS) -> list:
-    """Seconds per call of `rows` causal rows after `slots - rows` cached ones, over a
-    cache of `slots` slots (what a decoding call of that many rows costs), in each of
+def time_call(model, rows: int, size: int, repeat: int = 1, runs: int = RUNS) -> list:
+    """Seconds per call of `rows` causal rows after `size - rows` cached ones, over a
+    cache of `size` positions (what a decoding call of that many rows costs), in each of
     `runs` timed runs."""
-    live = slots - rows
+    live = size - rows
     positions = live + jnp.arange(rows, dtype=jnp.int32)
     mask, draft_rows = jnp.asarray(causal(rows)), jnp.zeros(rows, bool)
 
     def call(params, tokens, cache):
         return model.forward(params, tokens, positions, mask, cache, live, draft_rows)[0]
 
-    return run_times(call, model.params, jnp.zeros(rows, jnp.int32), model.empty_cache(slots),
+    return run_times(call, model.params, jnp.zeros(rows, jnp.int32), model.empty_cache(size),
                      repeat, runs)
 
 
-def calibrate(model, rows=ROWS, slots=SLOTS, repeat: int = 1) -> CostModel:
+def calibrate(model, rows=ROWS, positions=POSITIONS, repeat: int = 1) -> CostModel:
     """Times the model's call at every (cache size, rows) point: cache sizes are capped at
     the model's context, and row counts that do not fit the smallest size left out. Each
     point keeps the median of its runs; a point whose runs spread past UNSTABLE is
     measured again with twice the runs, and if it still does, one warning says so."""
     context = model.config.max_position_embeddings
-    sizes = sorted({min(s, context) for s in slots})
+    sizes = sorted({min(s, context) for s in positions})
     rows = sorted({r for r in rows if r < sizes[0]})
     if not rows:
-        raise ValueError(f"no calibration row count fits a cache of {sizes[0]} slots")
+        raise ValueError(f"no calibration row count fits a cache of {sizes[0]} positions")
     load, t0 = load_per_core(), time.perf_counter()
     points = {}
     for s in sizes:
@@ -207,7 +215,7 @@ def calibrate(model, rows=ROWS, slots=SLOTS, repeat: int = 1) -> CostModel:
     if measured.unstable:
         busy = "" if load is None else f"; load average {load:.2f} per core"
         log.warning(f"packed_ss_jax: the cost calibration is unstable (its timings of "
-                    f"{r} rows over {s} slots spread {spread:.0%}{busy}): schedule auto "
+                    f"{r} rows over {s} positions spread {spread:.0%}{busy}): schedule auto "
                     "corrects it from the decodes that follow")
     return measured
 
@@ -320,8 +328,8 @@ def write_json(path: Path, data) -> None:
 
 
 def predicted_tokens_per_s(cost: CostModel, tokens_per_call: float, rows: int,
-                           slots: int) -> float:
+                           positions: int) -> float:
     """Tokens per second of a schedule making `tokens_per_call` tokens per call of
-    `rows` rows over `slots` cache slots."""
-    return tokens_per_call / cost.call_s(rows, slots)
+    `rows` rows over `positions` cache positions."""
+    return tokens_per_call / cost.call_s(rows, positions)
 

@@ -1,6 +1,6 @@
 """Whether a decode's state fits in memory, decided before anything is allocated.
 
-A request's KV cache and row buffers are sized from its arguments (slots x cache_size,
+A request's KV cache and row buffers are sized from its arguments (sequences x cache_size,
 the schedule's rows per call); past the free memory the allocation would fail deep
 inside XLA, or on a host swap for minutes. `check` estimates them (`state_bytes`) and
 refuses the request with the figures: on accelerators against their allocator's limit
@@ -24,12 +24,12 @@ def state_bytes(config, program, max_new: int) -> tuple[int, int]:
     width + 1; the others' are about 3 x width."""
     c = config
     item = 2 if c.dtype == "bfloat16" else 4
-    W, slots = program.width, program.capacity + program.width  # one block of headroom
-    kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * slots * item
+    W, positions = program.width, program.capacity + program.width  # one block of headroom
+    kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * positions * item
     rows = {"quadratic": (W + 1) ** 2,
             "branched": (program.branches + 2) * W + 1}.get(program.schedule, 3 * W + 2)
-    call = rows * (4 * c.hidden_size + slots + rows) + 4 * (W + 1) * c.vocab_size
-    out = 4 * slots + (4 * (max_new + 1) * (W + 2) if program.family == "setdlm" else 0)
+    call = rows * (4 * c.hidden_size + positions + rows) + 4 * (W + 1) * c.vocab_size
+    out = 4 * positions + (4 * (max_new + 1) * (W + 2) if program.family == "setdlm" else 0)
     return kv, call + out
 
 
@@ -87,6 +87,6 @@ def check(model, program, max_new: int, sequences: int = 1,
     if free is None or need <= free[0]:
         return
     raise InputError(f"the decode state needs at least {_size(need)} ({sequences} sequence(s) x "
-                     f"({_size(kv)} of KV cache for {program.capacity} slots + {_size(rest)} "
+                     f"({_size(kv)} of KV cache for {program.capacity} positions + {_size(rest)} "
                      f"of rows and outputs)), more than the {_size(free[0])} {free[1]}; use "
                      f"{hint}")

@@ -6,7 +6,7 @@ so the forward takes the mask as data:
     forward(params, tokens[T], positions[T], mask[T, T], cache, cache_len, draft_rows[T])
         -> logits[T, V] float32, kv rows {"k", "v": per layer [kv_heads, T, head_dim]}
 
-Rows see the first `cache_len` cache slots (or those a [S] bool `cache_len` marks) and
+Rows see the first `cache_len` cache positions (or those a [S] bool `cache_len` marks) and
 each other as `mask` says; their keys and values (RoPE applied) are returned, never
 written: the decoder commits the accepted ones (cache.py). Params come stacked over the
 layers (stored, `nn.scan`) or per layer (decoding, unrolled), and `forward` takes either;
@@ -146,7 +146,7 @@ class Attention(nn.Module):
 
 
 # Live-length attention (see `attend`): the backends that use it, the shortest cache it
-# is used for, and the slots it reads per step.
+# is used for, and the positions it reads per step.
 #
 # On a CPU, reading only the live chunks pays for a large cache that is mostly empty, and
 # costs more for a full one (every chunk is copied out of the buffer before its product)
@@ -155,19 +155,19 @@ class Attention(nn.Module):
 # a CUDA graph, layers x chunks waits per call, where reading the whole cache takes a
 # fraction of a millisecond at HBM bandwidth.
 LIVE_ATTENTION = ("cpu",)
-LIVE_MIN_SLOTS = 1024
+LIVE_MIN_POSITIONS = 1024
 CHUNK = 256
 
 
 def attend(qg, k, v, cache_kv: KV, seen, mask, dt, prec):
-    """Softmax attention of the queries `qg` [kv_heads, T, G, D] over the cache slots
+    """Softmax attention of the queries `qg` [kv_heads, T, G, D] over the cache positions
     marked by `seen` [S] and the call's own rows `k`, `v` [kv_heads, T, D] (as `mask`
     [T, T] allows), as one softmax; returns [kv_heads, T, G, D] float32.
 
     The cache and the new rows are two key blocks: concatenating the keys would copy the
     whole cache buffer in every layer. The cache block is read whole, or, on the
-    LIVE_ATTENTION backends and caches of LIVE_MIN_SLOTS slots or more, only up to its
-    last marked slot, a chunk at a time under an online softmax (`_attend_live`): the
+    LIVE_ATTENTION backends and caches of LIVE_MIN_POSITIONS positions or more, only up to
+    its last marked position, a chunk at a time under an online softmax (`_attend_live`): the
     cost of a call then follows the sequence, not the buffer. (On the CPU this also
     keeps a bf16 cache, stored as bits, from being bitcast whole for every read.)
     """
@@ -181,9 +181,9 @@ def attend(qg, k, v, cache_kv: KV, seen, mask, dt, prec):
         return jnp.einsum("ktgs,ksd->ktgd", p.astype(values.dtype), values,
                           preferred_element_type=jnp.float32, precision=prec)
 
-    S = cache_kv["k"].shape[cache_lib.SLOT_AXIS]
+    S = cache_kv["k"].shape[cache_lib.POSITION_AXIS]
     new = jnp.where(mask[None, :, None, :], scores_over(k), _NEG)
-    if S >= LIVE_MIN_SLOTS and jax.default_backend() in LIVE_ATTENTION:
+    if S >= LIVE_MIN_POSITIONS and jax.default_backend() in LIVE_ATTENTION:
         m, l, acc = _attend_live(scores_over, mix, cache_kv, seen, dt, qg.shape[:3])
         top = jnp.maximum(m, jnp.max(new, axis=-1))
         p = jnp.where(mask[None, :, None, :], jnp.exp(new - top[..., None]), 0.0)
@@ -196,30 +196,31 @@ def attend(qg, k, v, cache_kv: KV, seen, mask, dt, prec):
     return mix(probs[..., :S], cache_v) + mix(probs[..., S:], v)
 
 
-def chunk_size(slots: int) -> int:
-    """Slots per read of the live-length attention over a `slots`-slot cache: at most
+def chunk_size(positions: int) -> int:
+    """Slots per read of the live-length attention over a `positions`-position cache: at most
     CHUNK, and equal chunks that tile the buffer with little overlap."""
-    chunks = -(-slots // CHUNK)
-    return -(-slots // chunks)
+    chunks = -(-positions // CHUNK)
+    return -(-positions // chunks)
 
 
 def _attend_live(scores_over, mix, cache_kv: KV, seen, dt, lead):
-    """The cache block of `attend`, read CHUNK slots at a time up to the last seen slot
+    """The cache block of `attend`, read CHUNK positions at a time up to the last seen one
     (an online softmax): returns the running max, sum and weighted values."""
-    S = cache_kv["k"].shape[cache_lib.SLOT_AXIS]
+    S = cache_kv["k"].shape[cache_lib.POSITION_AXIS]
     chunk = chunk_size(S)
     live = jnp.max(jnp.where(seen, jnp.arange(1, S + 1), 0))
-    slot = jnp.arange(chunk)
+    offset = jnp.arange(chunk)
 
     def step(i, carry):
         m, l, acc = carry
         # The last chunk is moved back to end at S (a slice must stay in the buffer); the
-        # slots it shares with the chunk before were counted there already.
+        # positions it shares with the chunk before were counted there already.
         start = jnp.minimum(i * chunk, S - chunk)
         keys, values = (cache_lib.loaded(
-            jax.lax.dynamic_slice_in_dim(cache_kv[n], start, chunk, axis=cache_lib.SLOT_AXIS), dt)
+            jax.lax.dynamic_slice_in_dim(cache_kv[n], start, chunk,
+                                         axis=cache_lib.POSITION_AXIS), dt)
             for n in ("k", "v"))
-        ok = jax.lax.dynamic_slice_in_dim(seen, start, chunk) & (start + slot >= i * chunk)
+        ok = jax.lax.dynamic_slice_in_dim(seen, start, chunk) & (start + offset >= i * chunk)
         s = jnp.where(ok, scores_over(keys), _NEG)
         top = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.where(ok, jnp.exp(s - top[..., None]), 0.0)
@@ -272,7 +273,7 @@ class Transformer(nn.Module):
         h = table[tokens_].astype(jnp.float32)
         cos, sin = rope.cos_sin(c, positions)
         q_scale = rope.query_scale(c, positions)
-        S = cache["k"][0].shape[cache_lib.SLOT_AXIS]
+        S = cache["k"][0].shape[cache_lib.POSITION_AXIS]
         seen = jnp.asarray(cache_len)
         if seen.ndim == 0:  # a count: the committed prefix
             seen = jnp.arange(S) < seen
@@ -307,7 +308,7 @@ class Transformer(nn.Module):
 
 
 def empty_cache(c: ModelConfig, size: int) -> KV:
-    """A cache of `size` slots: per layer, `[kv_heads, slots, head_dim]` (see cache.py)."""
+    """A cache of `size` positions: per layer, `[kv_heads, positions, head_dim]` (see cache.py)."""
     shape = (c.num_kv_heads, size, c.head_dim)
     return {name: [cache_lib.empty(shape, param_dtype(c)) for _ in range(c.num_layers)]
             for name in ("k", "v")}

@@ -39,7 +39,7 @@ class Program:
     family: str
     shape: Shape      # the schedule, its width (B or W) and Branched-SS's k
     bucket: int       # padded prompt length
-    capacity: int     # KV slots for prompt + output
+    capacity: int     # KV positions for prompt + output
     sampling: Sampling = Sampling()
     order: str = "ltr"
 
@@ -148,7 +148,7 @@ def _eos_id(value, config, vocab: int) -> int | None:
 
 
 def _cache_size(value, config, *, width: int, width_name: str, default: int) -> int:
-    """KV slots (None: `default`), at least one block (`width` rows, the argument
+    """KV positions (None: `default`), at least one block (`width` rows, the argument
     `width_name`)."""
     if value is None:
         value = min(default, getattr(config, "max_position_embeddings", default))
@@ -157,7 +157,7 @@ def _cache_size(value, config, *, width: int, width_name: str, default: int) -> 
         raise InputError(f"cache_size {value} is too large (at most {MAX_CACHE}: positions "
                          "are int32)", "cache_size")
     if width > value:
-        raise InputError(f"{width_name} {width} does not fit the cache ({value} slots): use "
+        raise InputError(f"{width_name} {width} does not fit the cache ({value} positions): use "
                          f"{width_name} <= {value} or a larger cache_size", "cache_size")
     return value
 
@@ -165,7 +165,7 @@ def _cache_size(value, config, *, width: int, width_name: str, default: int) -> 
 def _fits(prompt_len: int, max_new: int, cache: int) -> None:
     if prompt_len + max_new > cache:
         raise InputError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new}) = "
-                         f"{prompt_len + max_new} exceeds the cache ({cache} slots); "
+                         f"{prompt_len + max_new} exceeds the cache ({cache} positions); "
                          "shorten the request or pass a larger cache_size", "max_new_tokens")
 
 
@@ -261,7 +261,7 @@ def bucket_for(prompt_len: int, capacity: int) -> int:
 
 
 def capacity_for(need: int) -> int:
-    """KV slots for a request of `need` tokens: a power of two, at least MIN_CAPACITY."""
+    """KV positions for a request of `need` tokens: a power of two, at least MIN_CAPACITY."""
     return _power_of_two(need, MIN_CAPACITY)
 
 

@@ -301,7 +301,7 @@ class Planner:
         results = scheduler.decode_batch(self.engine, batch)
         if results[0].compile_s > 0:
             results = scheduler.decode_batch(self.engine, batch)
-        t = Tally(slots=batch.program.capacity + batch.program.width,
+        t = Tally(positions=batch.program.capacity + batch.program.width,
                   batch_s=results[0].wall_s)
         lengths = []
         for request in batch.members:
@@ -316,20 +316,20 @@ class Planner:
 
     # --- choosing ---------------------------------------------------------------------------
 
-    def predict(self, c: Candidate, sequences: int, slots: int, sampled: bool,
+    def predict(self, c: Candidate, sequences: int, positions: int, sampled: bool,
                 refilled: bool = False) -> Prediction:
-        """`c`'s expected speed for `sequences` sequences whose calls read `slots` KV
-        slots (see the module doc); `refilled`: slots refilled as they end."""
+        """`c`'s expected speed for `sequences` sequences whose calls read `positions` KV
+        positions (see the module doc); `refilled`: slots refilled as they end."""
         per_iteration = self.acceptance.tokens_per_iteration(c, sampled)
-        base = self._iteration_s(c, sequences, slots) * self._measured(c, sequences)
+        base = self._iteration_s(c, sequences, positions) * self._measured(c, sequences)
         busy = 1.0 if refilled else self.acceptance.busy(c, sequences)
         seconds = base * self.feedback.factor(c, (sequences, refilled))
         return Prediction(c, per_iteration, seconds,
                           sequences * per_iteration * busy / seconds, base, busy)
 
-    def _iteration_s(self, c: Candidate, sequences: int, slots: int) -> float:
+    def _iteration_s(self, c: Candidate, sequences: int, positions: int) -> float:
         rows = self.family.iteration_rows(c.schedule, c.width, c.branches)
-        return sum(self.cost.call_s(sequences * r, slots) for r in rows)
+        return sum(self.cost.call_s(sequences * r, positions) for r in rows)
 
     def _measured(self, c: Candidate, sequences: int) -> float:
         """How much longer the candidate's calibration decodes took per iteration than
@@ -340,7 +340,7 @@ class Planner:
         p = self.acceptance.prior.get(c)
         if p is None:
             return 1.0
-        one = _log_ratio(p.iteration_s, self._iteration_s(c, 1, p.slots))
+        one = _log_ratio(p.iteration_s, self._iteration_s(c, 1, p.positions))
         batch = len(p.lengths)
         if one is None:
             return 1.0
@@ -348,7 +348,7 @@ class Planner:
             at = one
         else:
             full = None if batch < 2 else _log_ratio(
-                p.batch_iteration_s, self._iteration_s(c, batch, p.slots))
+                p.batch_iteration_s, self._iteration_s(c, batch, p.positions))
             if full is None:
                 return 1.0
             at = one + (full - one) * min(1.0, math.log(sequences) / math.log(batch))
@@ -390,8 +390,8 @@ class Planner:
                              f"(tried {', '.join(c.label(family) for c in pool)})")
         with self._lock:   # one acceptance model for all predictions (calibrate swaps it)
             self._ensure([c for c, _ in feasible])
-            feasible = [self.predict(c, sequences, slots, sampled, refilled)
-                        for c, slots in feasible]
+            feasible = [self.predict(c, sequences, positions, sampled, refilled)
+                        for c, positions in feasible]
         feasible.sort(key=lambda p: -p.tokens_per_s)
         best = feasible[0]
         key = (sequences, refilled, sampled, width, options.branches)
@@ -412,7 +412,7 @@ class Planner:
     def _feasible(self, options: DecodeOptions, pool, prompt_len: int, sequences: int,
                   fits_now: bool) -> list[tuple[Candidate, int]]:
         """The candidates of `pool` that can decode the request (see `choose`), each with
-        the KV slots a call of it reads."""
+        the KV positions a call of it reads."""
         family, model = self.family, self.engine.model
         tokenizer = getattr(model, "tokenizer", None)
         feasible = []

@@ -33,7 +33,7 @@ RULES = {
     "vocab": "model",       # embedding rows and the head's outputs
     "embed": None,
     "head_dim": None,
-    "slots": None,
+    "positions": None,
     "rank": None,           # the draft-only adapter's rank
 }
 
@@ -47,7 +47,7 @@ PARAM_AXES = {
     "embed": ("vocab", "embed"), "head": ("embed", "vocab"),
 }
 
-CACHE_AXES = ("batch", "kv_heads", "slots", "head_dim")
+CACHE_AXES = ("batch", "kv_heads", "positions", "head_dim")
 
 
 class MeshError(ValueError):
@@ -168,7 +168,7 @@ def placer(c: ModelConfig, mesh: Mesh) -> Placer:
 
 
 def cache_spec(c: ModelConfig, mesh: Mesh, batch: int) -> PartitionSpec:
-    """The PartitionSpec of a batched cache buffer [batch, kv_heads, slots, head_dim]."""
+    """The PartitionSpec of a batched cache buffer [batch, kv_heads, positions, head_dim]."""
     return spec(CACHE_AXES, mesh, dict(_sizes(c), batch=batch))
 
 

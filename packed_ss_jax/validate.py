@@ -20,7 +20,7 @@ import numpy as np
 from .sampling import Sampler
 
 SEED_LIMIT = 2**32
-# Positions, lengths and cache slots are int32 inside the programs; a cache past this
+# Positions, lengths and cache positions are int32 inside the programs; a cache past this
 # would wrap them (it would not fit in memory either).
 MAX_CACHE = 2**31 - 2**20
 INT32_MAX = 2**31 - 1

@@ -10,8 +10,8 @@ from packed_ss_jax.nemotron import layouts
 from packed_ss_jax import model as model_lib
 from tiny import tiny_model
 
-SLOTS = model_lib.LIVE_MIN_SLOTS + 40  # read in chunks, the last one overlapping the one before
-C = model_lib.chunk_size(SLOTS)
+POSITIONS = model_lib.LIVE_MIN_POSITIONS + 40  # read in chunks, the last one overlapping the one before
+C = model_lib.chunk_size(POSITIONS)
 ROWS = 5
 
 
@@ -27,7 +27,7 @@ def forward(m, cache, seen, live_attention: bool):
         model_lib.LIVE_ATTENTION = (jax.default_backend(),) if live_attention else ()
         try:
             call = layouts.verify(jnp.int32(3), jnp.arange(ROWS - 1, dtype=jnp.int32) % 7,
-                                  jnp.int32(SLOTS))
+                                  jnp.int32(POSITIONS))
             fn = jax.jit(lambda p, cache, seen: m.forward(
                 p, call.tokens, call.positions, call.mask, cache, seen)[0])
             _compiled[key] = fn.lower(m.params, cache, seen).compile()
@@ -45,17 +45,17 @@ def filled_cache(m, fill_from: int, fill):
     for name in ("k", "v"):
         for _ in range(c.num_layers):
             key, sub = jax.random.split(key)
-            x = jax.random.normal(sub, (c.num_kv_heads, SLOTS, c.head_dim), jnp.float32)
-            x = jnp.where(jnp.arange(SLOTS)[None, :, None] < fill_from, x, fill).astype(dt)
+            x = jax.random.normal(sub, (c.num_kv_heads, POSITIONS, c.head_dim), jnp.float32)
+            x = jnp.where(jnp.arange(POSITIONS)[None, :, None] < fill_from, x, fill).astype(dt)
             out[name].append(cache_lib.stored(x))
     return out
 
 
-@pytest.mark.parametrize("live", [0, 1, C, C + 1, SLOTS - 1, SLOTS])
+@pytest.mark.parametrize("live", [0, 1, C, C + 1, POSITIONS - 1, POSITIONS])
 def test_live_read_equals_full_read(live):
     m = tiny_model(0)
-    cache = filled_cache(m, SLOTS, 0.0)
-    seen = jnp.arange(SLOTS) < live
+    cache = filled_cache(m, POSITIONS, 0.0)
+    seen = jnp.arange(POSITIONS) < live
     full, part = (forward(m, cache, seen, flag) for flag in (False, True))
     np.testing.assert_allclose(part, full, atol=1e-5 * float(np.abs(full).max()), rtol=0)
 
@@ -63,9 +63,9 @@ def test_live_read_equals_full_read(live):
 def test_marked_slots_with_holes():
     """SetDLM passes the visible slots as a mask (entries past a stop are masked out)."""
     m = tiny_model(0)
-    cache = filled_cache(m, SLOTS, 0.0)
+    cache = filled_cache(m, POSITIONS, 0.0)
     rng = np.random.default_rng(0)
-    seen = jnp.asarray((rng.random(SLOTS) < 0.5) & (np.arange(SLOTS) < SLOTS - 30))
+    seen = jnp.asarray((rng.random(POSITIONS) < 0.5) & (np.arange(POSITIONS) < POSITIONS - 30))
     full, part = (forward(m, cache, seen, flag) for flag in (False, True))
     np.testing.assert_allclose(part, full, atol=1e-5 * float(np.abs(full).max()), rtol=0)
 
@@ -76,7 +76,7 @@ def test_chunks_past_the_live_length_are_never_read(dtype):
     m = tiny_model(0, dtype=dtype)
     live = C // 2
     cache = filled_cache(m, C, jnp.nan)
-    seen = jnp.arange(SLOTS) < live
+    seen = jnp.arange(POSITIONS) < live
     assert not np.isfinite(forward(m, cache, seen, False)).all()  # the full read sees them
     reference = forward(m, filled_cache(m, C, 0.0), seen, True)
     np.testing.assert_array_equal(forward(m, cache, seen, True), reference)
@@ -90,6 +90,6 @@ def test_decode_over_live_chunks_matches_ar():
     m = tiny_model(0)
     prompt = [3, 4, 5, 6, 2]
     live = ps.decode(m, prompt, schedule="packed", block_size=4, max_new_tokens=40,
-                     eos_id=None, cache_size=model_lib.LIVE_MIN_SLOTS)
+                     eos_id=None, cache_size=model_lib.LIVE_MIN_POSITIONS)
     whole = ps.decode(m, prompt, schedule="ar", max_new_tokens=40, eos_id=None, cache_size=64)
     assert list(live.tokens) == list(whole.tokens)

@@ -123,21 +123,25 @@ def test_a_candidate_s_idling_follows_the_lengths_of_its_own_decodes():
 
 
 def test_a_timed_prior_goes_to_json_and_back_and_broken_timing_is_refused():
-    t = Tally(30.0, 10.0, np.array([1, 2]), seconds=0.5, slots=64, lengths=(4, 6),
+    t = Tally(30.0, 10.0, np.array([1, 2]), seconds=0.5, positions=64, lengths=(4, 6),
               batch_s=0.3)
     back = AcceptanceModel.from_prior_json(json.loads(json.dumps(
         AcceptanceModel({PACKED: t}).prior_json()))).prior[PACKED]
-    assert (back.seconds, back.slots, back.lengths, back.iteration_s) == (0.5, 64, (4, 6), 0.05)
+    assert (back.seconds, back.positions, back.lengths, back.iteration_s) == (0.5, 64, (4, 6), 0.05)
     assert back.batch_iteration_s == pytest.approx(0.05)   # the batch ran the longest's 6
     assert Tally(30.0, 10.0).iteration_s is None and Tally(30.0, 10.0).batch_iteration_s is None
-    for timing in ({"seconds": -1, "slots": 1, "lengths": [], "batch_s": 0},
-                   {"seconds": 1, "slots": 10 ** 400, "lengths": [], "batch_s": 0},
-                   {"seconds": 1, "slots": 1, "lengths": [10 ** 400], "batch_s": 0},
-                   {"seconds": 1, "slots": 1, "lengths": "12", "batch_s": 0},
-                   {"seconds": "nan", "slots": 1, "lengths": [], "batch_s": 0},
-                   {"seconds": 1, "slots": 1, "lengths": [-2], "batch_s": 0},
-                   {"seconds": 1, "slots": 1, "lengths": [2], "batch_s": "inf"},
-                   {"seconds": 1, "slots": 1, "lengths": []}, [1, 2, 3]):
+    # Files written before the KV positions had their own name called them "slots".
+    legacy = [[["packed", 4, 1], 30.0, 10.0, [1, 2],
+               {"seconds": 0.5, "slots": 64, "lengths": [4, 6], "batch_s": 0.3}]]
+    assert AcceptanceModel.from_prior_json(legacy).prior[PACKED].positions == 64
+    for timing in ({"seconds": -1, "positions": 1, "lengths": [], "batch_s": 0},
+                   {"seconds": 1, "positions": 10 ** 400, "lengths": [], "batch_s": 0},
+                   {"seconds": 1, "positions": 1, "lengths": [10 ** 400], "batch_s": 0},
+                   {"seconds": 1, "positions": 1, "lengths": "12", "batch_s": 0},
+                   {"seconds": "nan", "positions": 1, "lengths": [], "batch_s": 0},
+                   {"seconds": 1, "positions": 1, "lengths": [-2], "batch_s": 0},
+                   {"seconds": 1, "positions": 1, "lengths": [2], "batch_s": "inf"},
+                   {"seconds": 1, "positions": 1, "lengths": []}, [1, 2, 3]):
         with pytest.raises(ValueError, match="malformed acceptance"):
             AcceptanceModel.from_prior_json([[["packed", 4, 1], 3, 1, [], timing]])
     with pytest.raises(ValueError, match="malformed acceptance"):
@@ -263,12 +267,12 @@ def test_timed_calibrations_scale_one_sequence_and_batches_idle(model, tmp_path)
     p = _planner(model, tmp_path)
     base = p.predict(PACKED, 1, 64, False)
     # Timings too small to divide by predict as the cost model does, never break it.
-    p.acceptance.add_prior(PACKED, Tally(250.0, 100.0, seconds=5e-324, slots=64,
+    p.acceptance.add_prior(PACKED, Tally(250.0, 100.0, seconds=5e-324, positions=64,
                                          lengths=(50, 50, 100), batch_s=5e-324))
     for n in (1, 8):
         assert p.predict(PACKED, n, 64, False).base_iteration_s == pytest.approx(
             p._iteration_s(PACKED, n, 64))
-    p.acceptance.add_prior(PACKED, Tally(250.0, 100.0, seconds=100 * 3 * 1.8e-3, slots=64,
+    p.acceptance.add_prior(PACKED, Tally(250.0, 100.0, seconds=100 * 3 * 1.8e-3, positions=64,
                                          lengths=(50, 50, 100)))
     one = p.predict(PACKED, 1, 64, False)
     assert one.base_iteration_s == pytest.approx(3 * base.base_iteration_s)
@@ -281,7 +285,7 @@ def test_timed_calibrations_scale_one_sequence_and_batches_idle(model, tmp_path)
     assert p.predict(PACKED, 8, 64, False, refilled=True).busy == 1.0
     # Timed as one batch of its three too, at 2x the cost model's calls: three sequences
     # and more predicted at that, two between the two (log-linearly in the number).
-    p.acceptance.add_prior(PACKED, Tally(250.0, 100.0, seconds=100 * 3 * 1.8e-3, slots=64,
+    p.acceptance.add_prior(PACKED, Tally(250.0, 100.0, seconds=100 * 3 * 1.8e-3, positions=64,
                                          lengths=(50, 50, 100),
                                          batch_s=100 * 2 * p._iteration_s(PACKED, 3, 64)))
     for n in (3, 8):
@@ -289,7 +293,7 @@ def test_timed_calibrations_scale_one_sequence_and_batches_idle(model, tmp_path)
             2 * p._iteration_s(PACKED, n, 64))
     assert p.predict(PACKED, 2, 64, False).base_iteration_s == pytest.approx(
         3 * (2 / 3) ** (math.log(2) / math.log(3)) * p._iteration_s(PACKED, 2, 64))
-    p.acceptance.add_prior(PACKED, Tally(250.0, 100.0, seconds=100 * 3 * 1.8e-3, slots=64,
+    p.acceptance.add_prior(PACKED, Tally(250.0, 100.0, seconds=100 * 3 * 1.8e-3, positions=64,
                                          lengths=(50, 50, 100)))
     # What a batch's rows then idle corrects the prediction beside its seconds.
     choice = planner_lib.Choice(PACKED, eight.tokens_per_s, 8, False, (eight,))
@@ -317,9 +321,9 @@ def test_calibration_is_kept_on_disk_and_read_back(model, calibrated, monkeypatc
     assert len(files) == len(SMALL) and len(list(folder.iterdir())) == len(SMALL) + 1  # + cost
     assert set(calibrated.acceptance.prior) == set(SMALL)
     assert all(t.iterations > 0 for t in calibrated.acceptance.prior.values())
-    # Each prompt decoded alone and timed: one length per prompt, seconds, the slots read.
+    # Each prompt decoded alone and timed: one length per prompt, seconds, the positions read.
     assert all(len(t.lengths) == len(PROMPTS) and sum(t.lengths) == t.iterations
-               and t.iteration_s > 0 and t.slots > 0 and t.batch_iteration_s > 0
+               and t.iteration_s > 0 and t.positions > 0 and t.batch_iteration_s > 0
                for t in calibrated.acceptance.prior.values())
     again = planner_lib.Planner(Engine(model), candidates=SMALL, directory=folder)
     monkeypatch.setattr(again, "_decode", lambda c: pytest.fail("decoded again"))

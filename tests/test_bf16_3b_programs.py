@@ -24,7 +24,7 @@ from hlo import USER_CODEGEN, body_results, hlo_dtype, loop_state, rebuilt
 B = 32
 ITEMSIZE = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "u16": 2, "s16": 2, "pred": 1,
             "u8": 1, "s8": 1}
-CAPACITY = model_lib.LIVE_MIN_SLOTS  # long enough for the live-length read, where used
+CAPACITY = model_lib.LIVE_MIN_POSITIONS  # long enough for the live-length read, where used
 
 
 @pytest.fixture(scope="module")

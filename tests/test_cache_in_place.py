@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("user_codegen")
 CAPACITY = 96
 # bf16 programs get a cache long enough for the live-length read (model.attend), where
 # this backend uses it: that is the read checked.
-BF16_CAPACITY = model_lib.LIVE_MIN_SLOTS
+BF16_CAPACITY = model_lib.LIVE_MIN_POSITIONS
 
 
 def _options(engine, width, **options) -> ps.DecodeOptions:

@@ -15,11 +15,11 @@ from packed_ss_jax import cost
 from tiny import tiny_model
 
 MODEL = tiny_model(0)
-SMALL = dict(rows=(1, 4), slots=(16, 32), repeat=2)   # a quick calibration
+SMALL = dict(rows=(1, 4), positions=(16, 32), repeat=2)   # a quick calibration
 
 
 def _synthetic(key="k"):
-    # 1 ms + 0.1 ms per row at 16 slots, twice that at 32
+    # 1 ms + 0.1 ms per row at 16 positions, twice that at 32
     return cost.CostModel(key, (1, 8), (16, 32), ((1.1e-3, 1.8e-3), (2.2e-3, 3.6e-3)))
 
 
@@ -33,6 +33,14 @@ def test_calls_between_and_past_the_points_are_interpolated():
     one = cost.CostModel("k", (4,), (64,), ((2e-3,),))
     assert one.call_s(1, 8) == one.call_s(100, 1000) == 2e-3
     assert cost.predicted_tokens_per_s(c, 3.0, 8, 16) == pytest.approx(3.0 / 1.8e-3)
+
+
+def test_a_file_naming_the_positions_slots_is_read_as_it_is():
+    """Calibrations written before the KV positions had their own name called them
+    "slots": read as they are, not measured again."""
+    data = _synthetic().to_json()
+    assert data.pop("positions") == (16, 32)
+    assert cost.CostModel.from_json({**data, "slots": [16, 32]}) == _synthetic()
 
 
 def test_past_the_points_a_prediction_stays_near_what_was_measured():
@@ -51,13 +59,13 @@ def test_an_unstable_calibration_says_so_and_records_the_load(monkeypatch, caplo
     monkeypatch.setattr(cost, "time_call", lambda *a, **k: next(runs))
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        c = cost.calibrate(MODEL, rows=(1, 4), slots=(16,))
+        c = cost.calibrate(MODEL, rows=(1, 4), positions=(16,))
     # The second point's runs spread (2.0 - 1.0) / 1.5 (the fastest and the slowest
     # left out); measured again, longer, still (2.0 - 1.0) / 1.0.
     assert c.seconds == ((1.0, 1.0),) and c.spread == pytest.approx(1.0) and c.unstable
     assert c.load is None or c.load >= 0
     (warning,) = [r.getMessage() for r in caplog.records]
-    assert "unstable" in warning and "4 rows over 16 slots spread 100%" in warning
+    assert "unstable" in warning and "4 rows over 16 positions spread 100%" in warning
     assert cost.CostModel.from_json(json.loads(json.dumps(c.to_json()))) == c
 
 
@@ -72,11 +80,11 @@ def test_a_calibration_with_bad_numbers_is_refused(seconds):
 
 def test_a_small_model_is_calibrated():
     c = cost.calibrate(MODEL, **SMALL)
-    assert (c.rows, c.slots) == ((1, 4), (16, 32))
+    assert (c.rows, c.positions) == ((1, 4), (16, 32))
     assert c.calibration_id == cost.calibration_id(MODEL)
     assert all(0 < s < 1 for r in c.seconds for s in r) and c.calibration_s > 0
     # Row counts that do not fit the smallest cache are left out.
-    assert cost.calibrate(MODEL, rows=(1, 16), slots=(16,), repeat=1).rows == (1,)
+    assert cost.calibrate(MODEL, rows=(1, 16), positions=(16,), repeat=1).rows == (1,)
     bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), MODEL)
     assert cost.calibration_id(bf16) != c.calibration_id
 

@@ -33,7 +33,7 @@ def test_bad_prompts(prompt, match):
     (dict(schedule="cubic"), "unknown schedule 'cubic'"),
     (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
     (dict(eos_id=99), "eos_id 99 is outside the vocabulary"),
-    (dict(max_new_tokens=300), r"exceeds the cache \(256 slots\)"),
+    (dict(max_new_tokens=300), r"exceeds the cache \(256 positions\)"),
     (dict(max_new_tokens=30, cache_size=32), r"3 tokens\) \+ max_new_tokens \(30\) = 33 exceeds"),
 ])
 def test_bad_arguments(kwargs, match):

@@ -191,15 +191,15 @@ def test_slots_that_cannot_fit_in_memory_are_refused_with_the_figures(monkeypatc
     m = MODELS["nemotron"]
     monkeypatch.setattr(memory, "free_memory", lambda model: (2**20, "(a stated maximum)"))
     with dry(), pytest.raises(InputError, match=r"needs at least .* \(1000 sequence\(s\) x .*"
-                                                r"KV cache for 128 slots.*more than the 1.0 MiB "
+                                                r"KV cache for 128 positions.*more than the 1.0 MiB "
                                                 r"\(a stated maximum\); use .*fewer slots"):
         ps.decode_continuous(m, [[1, 2]] * 1000, slots=10**6, max_new_tokens=4)
     with dry(), pytest.raises(InputError, match="fewer prompts per call"):
         ps.decode(m, [[1, 2]] * 1000, max_new_tokens=4)
     monkeypatch.undo()
-    # Past any machine's memory: a cache of 2**30 slots holds 2**30 x 512 bytes.
+    # Past any machine's memory: a cache of 2**30 positions holds 2**30 x 512 bytes.
     with pytest.raises(InputError, match=r"needs at least 5\d\d\.\d GiB .*512\.0 GiB of KV "
-                                         r"cache for 1073741824 slots"):
+                                         r"cache for 1073741824 positions"):
         call("decode", "nemotron", cache_size=2**30)
     with pytest.raises(InputError, match=r"\(2 sequence\(s\) x"):
         call("continuous", "setdlm", cache_size=2**30, slots=10**6)

@@ -66,7 +66,7 @@ def test_whole_forward_layouts(models, nemotron_ref, name):
     check(got, rounded, r[f"{name}_logits"], name)
 
 
-@pytest.mark.parametrize("slack", [32, model_lib.LIVE_MIN_SLOTS], ids=["short", "chunked"])
+@pytest.mark.parametrize("slack", [32, model_lib.LIVE_MIN_POSITIONS], ids=["short", "chunked"])
 def test_cached_route(models, nemotron_ref, slack):
     """Prefix through a bf16 cache (committed in its stored form), then the packed rows;
     the long cache is read by the live-length attention where the backend uses it."""

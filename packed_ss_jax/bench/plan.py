@@ -244,7 +244,7 @@ def _check_prompt_counts(args, prompt_sets: dict) -> None:
 
 
 def check_widths_fit(p: Plan, room: int) -> None:
-    """Every width (and probed size) fits the task's cache of `room` slots; checked once
+    """Every width (and probed size) fits the task's cache of `room` positions; checked once
     the first model is loaded (the prompts' lengths need its tokenizer), before anything
     is compiled."""
     used = {}
@@ -255,7 +255,7 @@ def check_widths_fit(p: Plan, room: int) -> None:
     used.update({f"--probe {B}": B for B in p.sizes})
     too_big = [n for n, B in used.items() if B > room]
     if too_big:
-        raise UsageError(f"widths larger than the task's cache ({room} slots): "
+        raise UsageError(f"widths larger than the task's cache ({room} positions): "
                          f"{', '.join(too_big)}")
 
 

@@ -6,7 +6,7 @@ draft-only LoRA switch). Masks of regular calls are static NumPy constants: only
 the tokens and the base position change from call to call.
 
 Notation: `x` is the last verified token, at position `c` = cache length, not yet
-cached; `draft` holds `B - 1` slots, MASK-padded.
+cached; `draft` holds `B - 1` positions, MASK-padded.
 """
 
 from __future__ import annotations

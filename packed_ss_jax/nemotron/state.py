@@ -43,7 +43,7 @@ class ForwardModel(Protocol):
 @flax.struct.dataclass
 class State:
     cache: Any
-    cache_len: jax.Array   # committed slots == position of x
+    cache_len: jax.Array   # committed positions == position of x
     x: jax.Array           # last verified token; not yet in the cache
     draft: jax.Array       # [B-1] next draft, MASK-padded
     draft_len: jax.Array   # real draft tokens in `draft`
@@ -55,7 +55,7 @@ class State:
     accept_hist: jax.Array        # [B+1]: accept_hist[k] = iterations that emitted k tokens
     max_new: jax.Array
     stop_tok: jax.Array    # [K, Lm] stop markers (EOS included), see stops.py
-    stop_len: jax.Array    # [K] (0: unused slot)
+    stop_len: jax.Array    # [K] (0: unused entry)
     nonfinite_at: jax.Array  # generated position where NaN/Inf logits stopped the loop; -1: none
     stopped: jax.Array     # a stop marker (EOS among them) ended the output
     key: Any = None        # PRNG key (sampling only), threaded through the loop

@@ -39,7 +39,7 @@ def prompt_call(m, params, prompt, n, *, program, max_new, stop_tok, stop_len, s
         key=key, q=StoredQ.empty(sampler, W, m.vocab_size), q_out=jnp.full(W, -1, jnp.int32),
         sampler=sampler)
     return State(
-        cache=cache, cache_len=jnp.asarray(n, jnp.int32), slot_out=jnp.full(S, -1, jnp.int32),
+        cache=cache, cache_len=jnp.asarray(n, jnp.int32), position_out=jnp.full(S, -1, jnp.int32),
         n=jnp.asarray(n, jnp.int32), tok=jnp.zeros(out_len, jnp.int32), res=jnp.zeros(out_len, bool),
         draft=jnp.zeros(out_len, jnp.int32), has_draft=jnp.zeros(out_len, bool),
         score=jnp.full(out_len, -jnp.inf, jnp.float32), pend_tok=jnp.zeros(Np, jnp.int32),

@@ -5,7 +5,7 @@ keeps, per output index `o` (position `n + o` after an `n`-token prompt), the ac
 token, whether it is resolved, the stored draft and its confidence. `E`, the number of
 output positions to fill, starts at the length limit and shrinks only when a stop marker
 is accepted (App. E.2); entries past it stay in the cache, masked out of every later call
-(`visible`), since moving the live slots together would copy the cache every step
+(`visible`), since moving the live positions together would copy the cache every step
 (docs/performance.md). A correction waits in `pend_*` to be fed as the next call's clean
 `N` row. Shapes are static, counts traced; non-finite logits stop the loop (`finish`).
 """
@@ -30,7 +30,7 @@ MASK_LOGIT = -1e12
 class State:
     cache: Any
     cache_len: jax.Array
-    slot_out: jax.Array    # [S] output index held by each cache slot (-1: prompt)
+    position_out: jax.Array    # [S] output index held at each cache position (-1: prompt)
     n: jax.Array           # prompt length
     tok: jax.Array         # [C] accepted token per output index
     res: jax.Array         # [C] resolved (accepted and kept)
@@ -42,7 +42,7 @@ class State:
     pend_n: jax.Array
     E: jax.Array           # output positions to fill
     stop_tok: jax.Array    # [K, Lm] stop markers, right-aligned by stop_len
-    stop_len: jax.Array    # [K] (0: unused slot)
+    stop_len: jax.Array    # [K] (0: unused entry)
     done: jax.Array
     nfe: jax.Array
     iterations: jax.Array
@@ -131,8 +131,9 @@ def commit(s: State, kv_rows, rows, outs, count, after=None) -> State:
     write follows the call's cache reads and happens in place (see `cache.commit`)."""
     cache = cache_lib.commit(s.cache, kv_rows, rows, s.cache_len,
                              after=count if after is None else after)
-    slot_out = jax.lax.dynamic_update_slice(s.slot_out, outs.astype(jnp.int32), (s.cache_len,))
-    return s.replace(cache=cache, slot_out=slot_out, cache_len=s.cache_len + count)
+    position_out = jax.lax.dynamic_update_slice(s.position_out, outs.astype(jnp.int32),
+                                                (s.cache_len,))
+    return s.replace(cache=cache, position_out=position_out, cache_len=s.cache_len + count)
 
 
 def set_pending(s: State, tokens, outs, count) -> State:
@@ -174,9 +175,9 @@ def stop_end(s: State):
 
 
 def visible(s: State):
-    """[S] bool: the cache slots a call attends to, committed and not past E."""
-    S = s.slot_out.shape[0]
-    return (jnp.arange(S) < s.cache_len) & (s.slot_out < s.E)
+    """[S] bool: the cache positions a call attends to, committed and not past E."""
+    S = s.position_out.shape[0]
+    return (jnp.arange(S) < s.cache_len) & (s.position_out < s.E)
 
 
 def forward_visible(m, params, call, s: State, out_rows):

@@ -30,7 +30,7 @@ MAX_NEW_ARITH = 96  # longest solution + EOS is 80 tokens (checked by the tests)
 SETDLM_SCHEDULES = tuple(s for s in families.FAMILIES["setdlm"].schedules
                          if s != families.FAMILIES["setdlm"].reference)
 SETDLM_WINDOWS = (4, 8, 16)
-SETDLM_CACHE = 256  # slots: the longest prompt plus MAX_NEW_ARITH, with room to spare
+SETDLM_CACHE = 256  # positions: the longest prompt plus MAX_NEW_ARITH, with room to spare
 
 
 def _prompt_sets(n_arith, n_other, max_new_arith, max_new_other):

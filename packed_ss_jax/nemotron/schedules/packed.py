@@ -3,7 +3,7 @@
 Input `[x, D̄ | x, MASK^(B-1)]` (2B rows, static mask). First-half row i gives
 v^(i+1) for position c+i+1; second-half row j >= 1 gives z^(j) for position c+j.
 After A = h + 1 accepted tokens, the proposals past them become the next draft
-(Eq. 4): D_t = z^(A+1..W), MASK-padded to W = B - 1 slots. When sampling, each kept
+(Eq. 4): D_t = z^(A+1..W), MASK-padded to W = B - 1 positions. When sampling, each kept
 proposal keeps the Q it was drawn from, computed from P_{t-1}: the next call divides
 by that stored Q, not by a fresh one.
 """
