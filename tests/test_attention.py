@@ -10,7 +10,8 @@ from packed_ss_jax.nemotron import layouts
 from packed_ss_jax import model as model_lib
 from tiny import tiny_model
 
-POSITIONS = model_lib.LIVE_MIN_POSITIONS + 40  # read in chunks, the last one overlapping the one before
+# read in chunks, the last one overlapping the one before
+POSITIONS = model_lib.LIVE_MIN_POSITIONS + 40
 C = model_lib.chunk_size(POSITIONS)
 ROWS = 5
 

@@ -191,8 +191,8 @@ def test_slots_that_cannot_fit_in_memory_are_refused_with_the_figures(monkeypatc
     m = MODELS["nemotron"]
     monkeypatch.setattr(memory, "free_memory", lambda model: (2**20, "(a stated maximum)"))
     with dry(), pytest.raises(InputError, match=r"needs at least .* \(1000 sequence\(s\) x .*"
-                                                r"KV cache for 128 positions.*more than the 1.0 MiB "
-                                                r"\(a stated maximum\); use .*fewer slots"):
+                                                r"KV cache for 128 positions.*more than the 1.0 "
+                                                r"MiB \(a stated maximum\); use .*fewer slots"):
         ps.decode_continuous(m, [[1, 2]] * 1000, slots=10**6, max_new_tokens=4)
     with dry(), pytest.raises(InputError, match="fewer prompts per call"):
         ps.decode(m, [[1, 2]] * 1000, max_new_tokens=4)

@@ -126,7 +126,8 @@ def test_bad_stop_sequences():
     ("nemotron", dict(cache_size=0), "cache_size must be an integer >= 1"),
     ("nemotron", dict(cache_size=-5), "cache_size must be an integer >= 1"),
     ("nemotron", dict(cache_size=2**40), "cache_size 1099511627776 is too large"),
-    ("setdlm", dict(window=40, cache_size=32), r"window 40 does not fit the cache \(32 positions\)"),
+    ("setdlm", dict(window=40, cache_size=32), r"window 40 does not fit the cache "
+                                               r"\(32 positions\)"),
     ("setdlm", dict(cache_size=2, max_new_tokens=1), "window 3 does not fit the cache"),
     ("setdlm", dict(cache_size="64"), "cache_size must be an integer"),
 ])
