@@ -55,6 +55,10 @@ class Family:
     # (schedule, width, branches) -> the rows of each call of one loop iteration.
     iteration_rows: Callable[..., tuple[int, ...]]
 
+    def width(self, schedule: str, requested: int) -> int:
+        """The program's width: the request's, or 1 for the one-token reference."""
+        return 1 if schedule == self.reference else requested
+
 
 NEMOTRON = Family(
     name="nemotron", title="Nemotron-Labs-Diffusion", model_type=nemotron_config.MODEL_TYPE,

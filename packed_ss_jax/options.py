@@ -102,11 +102,9 @@ class DecodeOptions:
         min(DEFAULT_CACHE_SIZE, max_position_embeddings)."""
         sampler = validate.sampler(self.temperature, self.top_k, self.top_p)
         schedule_and_order(family, self.schedule, self.order, sampler)
-        width = validate.integer(
+        width = family.width(self.schedule, validate.integer(
             config.block_size if self.width is None else self.width, family.width_name,
-            family.min_width, MAX_CACHE, "a block must fit the cache, whose positions are int32")
-        if self.schedule == family.reference:   # one token per call
-            width = 1
+            family.min_width, MAX_CACHE, "a block must fit the cache, whose positions are int32"))
         max_new = validate.integer(self.max_new_tokens, "max_new_tokens", 1, MAX_CACHE,
                                    "prompt + max_new_tokens must fit the cache, whose "
                                    "positions are int32")
