@@ -81,8 +81,13 @@ class Server:
         self._wait_ready(self.base.removesuffix("/v1") + "/health", timeout)
 
     def _drain(self) -> None:
+        """Its startup lines kept up to "ready in ..." (then its access log, read and
+        dropped)."""
+        ready = any("ready in" in line for line in self.startup)
         for line in self.proc.stderr:
-            self.startup.append(line.rstrip())
+            if not ready:
+                self.startup.append(line.rstrip())
+                ready = "ready in" in line
 
     def _wait_ready(self, health: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
