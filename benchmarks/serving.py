@@ -36,6 +36,7 @@ from packed_ss_jax.bench import tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVING = re.compile(r"serving \S+ on http://(\S+):(\d+)/v1")
+ACCESS = re.compile(r" (GET|POST) /\S* \d{3} ")   # an access-log line of the server
 
 
 def _arguments(argv) -> argparse.Namespace:
@@ -81,11 +82,11 @@ class Server:
         self._wait_ready(self.base.removesuffix("/v1") + "/health", timeout)
 
     def _drain(self) -> None:
-        """Its startup lines kept up to "ready in ..." (then its access log, read and
-        dropped)."""
+        """Its startup lines kept up to "ready in ..."; its access log (the readiness
+        polls among it) read and dropped."""
         ready = any("ready in" in line for line in self.startup)
         for line in self.proc.stderr:
-            if not ready:
+            if not ready and not ACCESS.search(line):
                 self.startup.append(line.rstrip())
                 ready = "ready in" in line
 
