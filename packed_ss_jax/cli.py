@@ -414,6 +414,8 @@ class _Progress(logging.Handler):
 
 
 def _show_progress() -> None:
+    """Each program the warm-up makes ready, one line on stderr (`_Progress`); added once
+    however many times a process serves."""
     from . import programs
 
     if not any(isinstance(h, _Progress) for h in programs.log.handlers):
