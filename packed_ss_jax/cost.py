@@ -32,7 +32,7 @@ from .calls import causal
 
 ENV = "PACKED_SS_COST_DIR"
 ROWS = (1, 8, 32, 128)      # the calibration's row counts
-POSITIONS = (256, 2048)         # and cache sizes (capped at the model's context)
+POSITIONS = (256, 2048)     # and cache sizes (capped at the model's context)
 MIN_RUN_S = 0.02            # a timed loop of calls lasts about this long
 MAX_REPEAT = 4096           # calls in one timed loop at most
 RUNS = 5                    # timed loops per point: their median is kept

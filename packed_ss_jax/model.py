@@ -197,7 +197,7 @@ def attend(qg, k, v, cache_kv: KV, seen, mask, dt, prec):
 
 
 def chunk_size(positions: int) -> int:
-    """Slots per read of the live-length attention over a `positions`-position cache: at most
+    """Positions per read of the live-length attention over a `positions`-position cache: at most
     CHUNK, and equal chunks that tile the buffer with little overlap."""
     chunks = -(-positions // CHUNK)
     return -(-positions // chunks)

@@ -96,10 +96,8 @@ class Preparer:
         field = "messages" if asked.messages is not None else "prompt"
         options, max_tokens_field = asked.options, asked.max_tokens_field
         try:
-            if asked.messages is not None:
-                ids = self._prompt_ids(field, asked.messages, asked.chat_template_kwargs)
-            else:
-                ids = self._prompt_ids(field, asked.prompt)
+            ids = self._prompt_ids(field, asked.messages if field == "messages" else
+                                   asked.prompt, asked.chat_template_kwargs)
             for stop in options.stop_sequences:
                 if len(stop) > self.max_stop_chars:  # before the tokenizer sees it
                     raise APIError(400, f"a stop string of {len(stop)} characters is longer "
