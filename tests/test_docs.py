@@ -616,3 +616,19 @@ def test_readme_layout_names_every_module():
     missing += [e for e in entries(ROOT) if e not in named]
     assert not missing, f"the README's Layout does not name: {missing}"
 
+
+
+def test_module_to_test_map_names_every_module():
+    """docs/testing.md's module-to-test map has a row for every module of packed_ss_jax/
+    (a folder's `__init__.py` aside), and every test file it names exists."""
+    text = (ROOT / "docs" / "testing.md").read_text()
+    table = text[text.index("## Module-to-test map"):]
+    rows = dict(re.findall(r"^\| `(packed_ss_jax/[\w/]+\.py)` \| (.*) \|$", table, re.M))
+    package = ROOT / "packed_ss_jax"
+    modules = [p.relative_to(ROOT).as_posix() for p in sorted(package.rglob("*.py"))
+               if not (p.name == "__init__.py" and p.parent != package)]
+    missing = [m for m in modules if m not in rows]
+    assert not missing, f"docs/testing.md's module-to-test map has no row for: {missing}"
+    named = {t for tests in rows.values() for t in re.findall(r"`(test_\w+\.py)`", tests)}
+    gone = sorted(t for t in named if not (ROOT / "tests" / t).exists())
+    assert not gone, f"docs/testing.md's module-to-test map names missing tests: {gone}"
