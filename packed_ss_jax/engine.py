@@ -119,6 +119,7 @@ class Engine:
                           else programs.Programs(programs.identity(model)))
         self._slot_fns: dict = {}   # batched.SlotFunctions by (slot program, slots)
         self.compile_s = 0.0   # seconds this engine spent compiling, all programs together
+        self._placed: dict = {}   # generate's (k, eager) arguments, placed on the devices
 
     @classmethod
     def of(cls, model) -> Engine:
@@ -320,8 +321,12 @@ class Engine:
         slots = int(state.done.shape[0])
         if not 0 <= k <= INT32_MAX:   # a bug of the caller, which checks its k
             raise ValueError(f"k = {k}: the loop counts iterations in int32")
-        k = self.place(np.int32(k))
-        eager = self.place(np.bool_(eager))
+        # Placed once: a launch's dispatch costs little more than placing two scalars.
+        if (k, eager) not in self._placed:
+            if len(self._placed) >= 16:   # a stream's k is its caller's: keep a few
+                self._placed.clear()
+            self._placed[(k, eager)] = self.place((np.int32(k), np.bool_(eager)))
+        k, eager = self._placed[(k, eager)]
         exe, _ = self.compile(Key("generate", _slot(program), slots),
                               self._functions(program, slots).generate, self.model.params,
                               state, k, eager, donate=(1,))
