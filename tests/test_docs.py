@@ -617,7 +617,6 @@ def test_readme_layout_names_every_module():
     assert not missing, f"the README's Layout does not name: {missing}"
 
 
-
 def test_module_to_test_map_names_every_module():
     """docs/testing.md's module-to-test map has a row for every module of packed_ss_jax/
     (a folder's `__init__.py` aside), and every test file it names exists."""
