@@ -66,8 +66,10 @@ class Server:
 @contextlib.contextmanager
 def running(*args: str, timeout: float = 180, env: dict | None = None):
     """A `packed-ss serve --port 0 ARGS` process (`env`: more environment), ready;
-    killed on the way out."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    killed on the way out. Its programs are kept whole in the run's compilation cache
+    (executables.py), so the servers after the first of a kind read theirs back rather
+    than tracing and lowering each again (a test's `env` may say otherwise)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PACKED_SS_EXECUTABLES": "on", **(env or {})}
     env.pop("PACKED_SS_API_KEY", None)
     proc = subprocess.Popen([sys.executable, "-m", "packed_ss_jax", "serve", "--port", "0",
                              *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
