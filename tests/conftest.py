@@ -21,7 +21,8 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # of its own.
 os.environ["PACKED_SS_COMPILE_CACHE"] = "off"
 # Nor programs kept on disk (executables.py): a test that patches a function a program
-# calls must get the program it patched. tests/test_executables.py turns them on.
+# calls must get the program it patched. tests/test_executables.py turns them on, and
+# tests/servers.py for the servers it starts.
 os.environ["PACKED_SS_EXECUTABLES"] = "off"
 
 
