@@ -321,10 +321,10 @@ class Engine:
         slots = int(state.done.shape[0])
         if not 0 <= k <= INT32_MAX:   # a bug of the caller, which checks its k
             raise ValueError(f"k = {k}: the loop counts iterations in int32")
-        # Placed once: a launch's dispatch costs little more than placing two scalars.
-        placed = self._placed.get((k, eager))
-        if placed is None:   # a stream's k is its caller's: only a few are kept
-            self._placed = {} if len(self._placed) >= 16 else self._placed
+        placed = self._placed.get((k, eager))   # placing two scalars was most of a dispatch
+        if placed is None:
+            if len(self._placed) >= 16:   # a stream's k is its caller's: only a few are kept
+                self._placed = {}   # replaced, not cleared: another thread may be reading it
             placed = self._placed[(k, eager)] = self.place((np.int32(k), np.bool_(eager)))
         k, eager = placed
         exe, _ = self.compile(Key("generate", _slot(program), slots),
