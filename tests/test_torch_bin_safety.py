@@ -259,3 +259,22 @@ def test_module_state_dict_with_metadata(protocol, tmp_path, monkeypatch):
     sd.extra = 1
     with pytest.raises(CheckpointError, match=r"BUILD .* \(OrderedDict\); only the _metadata"):
         TorchBin(write(tmp_path / "y.bin", _torch_pickle(sd, protocol, monkeypatch)))
+
+
+@pytest.mark.parametrize("flag", [1 << 6, 1 << 5], ids=["strong-encryption", "patch-data"])
+def test_an_entry_marked_as_zipfile_cannot_read_it_is_refused(flag, tmp_path):
+    """zipfile raises NotImplementedError (a RuntimeError) for an entry flagged as strongly
+    encrypted or as patch data: the reader names the file as unreadable instead of passing
+    it on."""
+    raw = bytearray(write(tmp_path / "x0.bin", state_dict(p_str("w") + record())).read_bytes())
+    name = b"archive/data/0"
+    for header, flags_at, name_at in ((b"PK\x03\x04", 6, 30), (b"PK\x01\x02", 8, 46)):
+        at = raw.find(header)
+        while raw[at + name_at: at + name_at + len(name)] != name:
+            at = raw.find(header, at + 1)
+        raw[at + flags_at: at + flags_at + 2] = flag.to_bytes(2, "little")
+    path = tmp_path / "x.bin"
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=r"x\.bin is not a readable PyTorch zip "
+                                              r"checkpoint .*NotImplementedError"):
+        TorchBin(path).get("w")

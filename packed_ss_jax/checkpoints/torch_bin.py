@@ -30,10 +30,12 @@ MAX_PICKLE_BYTES = 64 << 20
 # Deflate cannot expand data more than ~1032x, so a larger declared size is a lie
 # (a zip bomb); torch itself stores entries uncompressed.
 _DEFLATE_MAX_RATIO = 1032
-# What zipfile and zlib raise on damaged archives (beyond BadZipFile).
+# What zipfile and zlib raise on damaged archives (beyond BadZipFile). RuntimeError
+# covers its subclass NotImplementedError, zipfile's refusal of an entry flagged as
+# strongly encrypted or as patch data.
 _ZIP_ERRORS = (
     zipfile.BadZipFile, OSError, EOFError, zlib.error, struct.error, ValueError,
-    UnicodeDecodeError, NotImplementedError, RuntimeError, OverflowError,
+    UnicodeDecodeError, RuntimeError, OverflowError,
 )
 
 
